@@ -1,0 +1,19 @@
+"""coat-jax: memory-efficient FP8 training for JAX (COAT, ICLR 2025)."""
+
+from coat_jax import optim
+from coat_jax import quant
+from coat_jax.optim import ScaleByCoatAdamState
+from coat_jax.optim import coat_adamw
+from coat_jax.optim import scale_by_coat_adam
+from coat_jax.quant import QuantizedArray
+from coat_jax.quant import dequantize
+from coat_jax.quant import quantize_per_group
+from coat_jax.quant import quantize_per_tensor
+
+__version__ = '0.1.0'
+
+__all__ = [
+    'QuantizedArray', 'ScaleByCoatAdamState', 'coat_adamw', 'dequantize',
+    'optim', 'quant', 'quantize_per_group', 'quantize_per_tensor',
+    'scale_by_coat_adam',
+]

@@ -1,0 +1,207 @@
+"""COAT AdamW: Adam whose moments live in FP8 with dynamic range expansion."""
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax._src import numerics
+
+from coat_jax import quant
+
+_MOMENT_DTYPES = ('e4m3', 'e5m2', 'float32')
+
+
+class ScaleByCoatAdamState(NamedTuple):
+  """State of `scale_by_coat_adam`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken.
+    mu: first moments, a tree like the params whose leaves are
+      `quant.QuantizedArray`s (groups along each param's last axis), or
+      float32 arrays when the moment dtype is 'float32'.
+    nu: second moments, the same.
+  """
+
+  count: jax.Array
+  mu: Any
+  nu: Any
+
+
+def _check_moment_dtypes(moment_dtypes: Any) -> tuple[str, str]:
+  if (not isinstance(moment_dtypes, tuple | list) or len(moment_dtypes) != 2
+      or any(d not in _MOMENT_DTYPES for d in moment_dtypes)):
+    raise ValueError(
+        f'moment_dtypes={moment_dtypes!r} must be a pair (first moment, second'
+        f' moment) of formats from {_MOMENT_DTYPES}, e.g. ("e4m3", "e4m3").')
+  return tuple(moment_dtypes)
+
+
+def _check_group_size(group_size: Any) -> int:
+  if isinstance(group_size, jax.Array | np.ndarray):
+    raise ValueError(
+        'group_size must be a Python int, not an array. With'
+        ' optax.inject_hyperparams, pass static_args=("group_size",).')
+  if (isinstance(group_size, bool) or not isinstance(group_size, int)
+      or group_size <= 0):
+    raise ValueError(
+        f'group_size={group_size!r} must be a positive integer (128 is'
+        ' COAT\'s choice for optimizer states).')
+  return group_size
+
+
+def _check_floating(tree: Any, argname: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      raise TypeError(
+          f'{argname}{jax.tree_util.keystr(path)} has dtype'
+          f' {jnp.result_type(leaf)}; coat_adamw only optimizes floating-point'
+          ' params. Keep integer leaves out of the optimized tree (e.g. with'
+          ' optax.partition or by storing them outside nnx.Param).')
+
+
+def _is_moment(x: Any) -> bool:
+  return isinstance(x, quant.QuantizedArray)
+
+
+def _check_updates_match(updates: Any, moments: Any) -> None:
+  expected = jax.tree.structure(moments, is_leaf=_is_moment)
+  got = jax.tree.structure(updates)
+  if got != expected:
+    raise ValueError(
+        'The updates (gradients) do not have the tree structure of the params'
+        f' this optimizer state was initialized with.\n  params: {expected}\n'
+        f'  updates: {got}\nPass gradients of the same params to update, or'
+        ' re-run tx.init on the new params.')
+  leaves = jax.tree.leaves(moments, is_leaf=_is_moment)
+  for (path, g), m in zip(jax.tree_util.tree_leaves_with_path(updates), leaves):
+    if jnp.shape(g) != m.shape:
+      raise ValueError(
+          f'updates{jax.tree_util.keystr(path)} has shape {jnp.shape(g)} but'
+          f' the param it updates has shape {m.shape}: the gradients must'
+          ' match the params passed to tx.init.')
+
+
+def _quantizer(moment_dtype: str, group_size: int, expansion: bool):
+  if moment_dtype == 'float32':
+    return lambda x: x.astype(jnp.float32)
+  return lambda x: quant.quantize_per_group(
+      x, group_size, moment_dtype, expansion=expansion)
+
+
+def _dequantize(m: Any) -> jax.Array:
+  return quant.dequantize(m) if _is_moment(m) else m
+
+
+def scale_by_coat_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    group_size: int = 128,
+    moment_dtypes: tuple[str, str] = ('e4m3', 'e4m3'),
+    expansion: bool = True,
+) -> optax.GradientTransformation:
+  """Rescales updates by Adam, keeping both moments in FP8 (COAT).
+
+  Each step dequantizes m and v, updates them in float32
+  (m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2), returns the bias-corrected
+  m_hat / (sqrt(v_hat) + eps) computed from these unquantized moments, and then
+  requantizes m and v in groups of `group_size` along each param's last axis.
+  Every param is quantized, whatever its size. With expansion and E4M3 the
+  state is 2.125 bytes per param (FP8 codes plus a float32 max and exponent per
+  group of 128) against float32 Adam's 8.
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: added to the denominator.
+    group_size: static quantization group size (with
+      `optax.inject_hyperparams`, pass `static_args=('group_size',)`).
+    moment_dtypes: formats of (m, v): each 'e4m3', 'e5m2' or 'float32';
+      ('float32', 'float32') is exactly `optax.scale_by_adam`.
+    expansion: use COAT's dynamic range expansion for FP8 moments.
+
+  Returns:
+    An `optax.GradientTransformation` with `ScaleByCoatAdamState`.
+  """
+  group_size = _check_group_size(group_size)
+  mu_dtype, nu_dtype = _check_moment_dtypes(moment_dtypes)
+  quantize_mu = _quantizer(mu_dtype, group_size, expansion)
+  quantize_nu = _quantizer(nu_dtype, group_size, expansion)
+
+  def init_fn(params):
+    _check_floating(params, 'params')
+    zeros = optax.tree.zeros_like(params, dtype=jnp.float32)
+    return ScaleByCoatAdamState(
+        count=jnp.zeros([], jnp.int32),
+        mu=jax.tree.map(quantize_mu, zeros),
+        nu=jax.tree.map(quantize_nu, zeros),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    _check_floating(updates, 'updates')
+    _check_updates_match(updates, state.mu)
+    updates = optax.tree.cast(updates, jnp.float32)
+    mu = jax.tree.map(_dequantize, state.mu, is_leaf=_is_moment)
+    nu = jax.tree.map(_dequantize, state.nu, is_leaf=_is_moment)
+    mu = optax.tree.update_moment(updates, mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(updates, nu, b2, 2)
+    count_inc = numerics.safe_increment(state.count)
+    mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+    updates = jax.tree.map(
+        lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+    return updates, ScaleByCoatAdamState(
+        count=count_inc,
+        mu=jax.tree.map(quantize_mu, mu),
+        nu=jax.tree.map(quantize_nu, nu),
+    )
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def coat_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    group_size: int = 128,
+    moment_dtypes: tuple[str, str] = ('e4m3', 'e4m3'),
+    expansion: bool = True,
+) -> optax.GradientTransformation:
+  """AdamW with FP8 moments (COAT), a drop-in for `optax.adamw`.
+
+  `chain(scale_by_coat_adam(...), add_decayed_weights(weight_decay, mask),
+  scale_by_learning_rate(learning_rate))`, exactly as optax composes `adamw`:
+  the decay is decoupled and multiplied by the learning rate, as in PyTorch.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: added to the denominator.
+    weight_decay: decoupled weight decay strength.
+    mask: tree of bools (or a function of the params returning one) saying
+      which params get weight decay; all are quantized regardless.
+    group_size: static quantization group size along each param's last axis.
+    moment_dtypes: formats of (m, v): 'e4m3', 'e5m2' or 'float32'.
+    expansion: use COAT's dynamic range expansion for FP8 moments.
+
+  Returns:
+    An `optax.GradientTransformation`.
+  """
+  return optax.chain(
+      scale_by_coat_adam(
+          b1, b2, eps, group_size=group_size, moment_dtypes=moment_dtypes,
+          expansion=expansion),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )

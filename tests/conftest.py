@@ -1,0 +1,28 @@
+"""Test setup: 8 fake CPU devices (set before jax is imported) and GPU marks."""
+
+import os
+
+os.environ['XLA_FLAGS'] = (
+    os.environ.get('XLA_FLAGS', '')
+    + ' --xla_force_host_platform_device_count=8').strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _has_hopper() -> bool:
+  try:
+    gpus = jax.devices('gpu')
+  except RuntimeError:
+    return False
+  return any('H100' in d.device_kind or 'H200' in d.device_kind for d in gpus)
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  if _has_hopper():
+    return
+  skip = pytest.mark.skip(reason='needs a Hopper (H100/H200) GPU')
+  for item in items:
+    if 'gpu' in item.keywords:
+      item.add_marker(skip)
