@@ -1,5 +1,7 @@
 """coat-jax: memory-efficient FP8 training for JAX (COAT, ICLR 2025)."""
 
+from coat_jax import models
+from coat_jax import nn
 from coat_jax import optim
 from coat_jax import quant
 from coat_jax.optim import ScaleByCoatAdamState
@@ -14,6 +16,6 @@ __version__ = '0.1.0'
 
 __all__ = [
     'QuantizedArray', 'ScaleByCoatAdamState', 'coat_adamw', 'dequantize',
-    'optim', 'quant', 'quantize_per_group', 'quantize_per_tensor',
-    'scale_by_coat_adam',
+    'models', 'nn', 'optim', 'quant', 'quantize_per_group',
+    'quantize_per_tensor', 'scale_by_coat_adam',
 ]

@@ -13,10 +13,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
-def _key_name(key: Any) -> Any:
+def _key_name(key: Any) -> str:
+  """A key path entry as orbax names it (dict keys are saved as strings)."""
   for attr in ('key', 'name', 'idx'):
     if hasattr(key, attr):
-      return getattr(key, attr)
+      return str(getattr(key, attr))
   return str(key)
 
 

@@ -6,8 +6,16 @@ os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '')
     + ' --xla_force_host_platform_device_count=8').strip()
 
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Many tests build the same small programs; a persistent cache shared by the
+# test workers compiles each once.
+jax.config.update('jax_compilation_cache_dir', os.path.join(
+    tempfile.gettempdir(), 'coat_jax_test_compilation_cache'))
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
 def _has_hopper() -> bool:

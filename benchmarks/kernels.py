@@ -1,0 +1,346 @@
+"""Bandwidth of the quantization kernels and time of the fused COAT step.
+
+  PYTHONPATH=. python benchmarks/kernels.py [--out results.jsonl] [--quick]
+
+Every number in one run: a plain copy (x * 2 on 2^28 float32, bytes read +
+written) as the ceiling; each op's effective GB/s (the logical bytes it must
+read and write, each once) for the Pallas kernel and the XLA reference on
+>= 1 GiB working sets; the optimizer step in ms per 2^28 params for the fused
+Pallas step, the XLA COAT step (coat_adamw + apply_updates under one jit) and
+optax.adamw (float32 moments), all with donated state. Timing: wall clock
+around N calls closed by block_until_ready, after warm-up; the
+median of 5 repeats
+(the copy warms the GPU for 3 s first, each later op for 1 s).
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.coat_adam_step import pallas_triton as adam_pallas
+from pallas_kernels.coat_adam_step import reference as adam_reference
+from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
+from pallas_kernels.quantize_per_group import reference as group_reference
+from pallas_kernels.quantize_per_tensor import pallas_triton as tensor_pallas
+from pallas_kernels.quantize_per_tensor import reference as tensor_reference
+
+LOG2_N = int(os.environ.get('BENCH_LOG2_N', 28))  # smaller: dry runs only
+N_PARAMS = 1 << LOG2_N
+COLS = 1 << 13
+ROWS = N_PARAMS // COLS  # 2^28 elements: a 32768 x 8192 matrix
+
+
+def _block(tree):
+  jax.tree.map(lambda a: a.block_until_ready(), tree)
+
+
+def time_call(fn, args, *, iters=20, warm_s=1.0, repeats=5, carry=None):
+  """Median seconds per call of fn(*args).
+
+  With carry=(state, *extra): fn(state, *extra) -> state, state donated.
+  """
+  if carry is not None:
+    state, *extra = carry
+    call = lambda: fn(state, *extra)
+  else:
+    call = lambda: fn(*args)
+  out = call()
+  _block(out)
+  if carry is not None:
+    state = out
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < warm_s:
+    out = call()
+    if carry is not None:
+      state = out
+  _block(out)
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    for _ in range(iters):
+      out = call()
+      if carry is not None:
+        state = out
+    _block(out)
+    times.append((time.perf_counter() - t) / iters)
+  return statistics.median(times)
+
+
+def rows_of(results, name):
+  return [r for r in results if r['name'] == name]
+
+
+def bench_copy(results):
+  x = jax.random.normal(jax.random.key(0), (ROWS, COLS), jnp.float32)
+  s = time_call(jax.jit(lambda x: x * 2), (x,), warm_s=3.0)  # clocks up
+  results.append(dict(name='copy x*2 f32', impl='xla', bytes=8 * N_PARAMS,
+                      s=s))
+
+
+def probe_xla_math():
+  """How XLA rounds f32 division, sqrt, log, exp here, vs numpy (IEEE)."""
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal(1 << 22).astype(np.float32)
+  b = np.abs(rng.standard_normal(1 << 22).astype(np.float32)) + 1e-3
+  out = {}
+  out['div'] = int((np.asarray(jax.jit(jnp.divide)(a, b)) != a / b).sum())
+  out['sqrt'] = int((np.asarray(jax.jit(jnp.sqrt)(b)) != np.sqrt(b)).sum())
+  for name, f, g in (('log', jnp.log, np.log), ('exp', jnp.exp, np.exp)):
+    ref = g(b.astype(np.float64)).astype(np.float32)
+    out[name] = int((np.asarray(jax.jit(f)(b)) != ref).sum())
+  print(f'# XLA f32 results differing from correctly rounded, of {b.size}:'
+        f' {out}', flush=True)
+
+
+def probe_kernel_ops():
+  """Elements where the Pallas kernels differ from XLA on this device, with
+  correctly rounded div/sqrt and with Triton's own (the default)."""
+  import optax  # pylint: disable=g-import-not-at-top
+
+  import coat_jax  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.coat_adam_step import api  # pylint: disable=g-import-not-at-top  # noqa: E501
+  shape = (2048, 4096)
+  keys = jax.random.split(jax.random.key(9), 4)
+  p = {'w': jax.random.normal(keys[0], shape)}
+  tx = coat_jax.coat_adamw(1e-2, weight_decay=0.1)
+  state = tx.init(p)
+
+  @jax.jit
+  def spec(g, state, p):
+    u, state = tx.update(g, state, p)
+    return optax.apply_updates(p, u), state
+
+  grads = [{'w': jax.random.normal(k, shape) * 1e-2} for k in keys[1:]]
+  for g in grads[:2]:
+    p, state = spec(g, state, p)
+  p_ref, s_ref = spec(grads[2], state, p)
+  codes = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+  for ieee in (True, False):
+    _common.USE_IEEE_OPS = ieee
+    jax.clear_caches()
+    new_p, mu, _ = jax.jit(functools.partial(
+        api.coat_adam_step, learning_rate=1e-2, weight_decay=0.1,
+        implementation='pallas'))(p['w'], grads[2]['w'], state[0].mu['w'],
+                                  state[0].nu['w'], state[0].count + 1)
+    ref_mu = s_ref[0].mu['w']
+    v, s, e = ref_mu.values, ref_mu.scale, ref_mu.exponent
+    deq = group_pallas.dequantize_per_group(v, s, e, 128)
+    deq_ref = jax.jit(lambda *a: group_reference.dequantize_per_group(
+        *a, 128))(v, s, e)
+    print(f'# kernel vs XLA, {"ieee" if ieee else "triton"} div/sqrt: adam p'
+          f' {int((new_p != p_ref["w"]).sum())}, mu codes'
+          f' {int((codes(mu.values) != codes(v)).sum())}, dequantize'
+          f' {int((deq != deq_ref).sum())} of {new_p.size}', flush=True)
+  _common.USE_IEEE_OPS = False
+  jax.clear_caches()
+
+
+def bench_group(results, quick):
+  key = jax.random.key(1)
+  cases = [  # (label, input dtype, group, fp8, expansion)
+      ('quantize 1x128 e4m3 expand f32', jnp.float32, 128, 'e4m3', True),
+      ('quantize 1x128 e4m3 f32', jnp.float32, 128, 'e4m3', False),
+      ('quantize 1x16 e4m3 bf16', jnp.bfloat16, 16, 'e4m3', False),
+  ]
+  configs = [group_pallas.BlockSizes()]
+  if not quick:
+    configs += [group_pallas.BlockSizes(target=1024),
+                group_pallas.BlockSizes(num_warps=8, target=8192)]
+  for label, dtype, g, fmt, exp in cases:
+    n = N_PARAMS if dtype == jnp.float32 else 2 * N_PARAMS  # >= 1 GiB in
+    x = (jax.random.normal(key, (n // COLS, COLS), jnp.float32)
+         * 1e-3).astype(dtype)
+    meta = (4 if not exp else 8) * n // g
+    nbytes = n * (x.dtype.itemsize + 1) + meta
+    ref = jax.jit(lambda x: group_reference.quantize_per_group(x, g, fmt, exp))
+    results.append(dict(name=label, impl='xla', bytes=nbytes,
+                        s=time_call(ref, (x,))))
+    for bs in configs:
+      f = jax.jit(functools.partial(
+          group_pallas.quantize_per_group, group_size=g, dtype=fmt,
+          expansion=exp, block_sizes=bs))
+      results.append(dict(name=label, impl='pallas', config=str(bs),
+                          bytes=nbytes, s=time_call(f, (x,))))
+    del x
+  # Dequantize 1x128 with expansion to f32 (reading the moments).
+  x = jax.random.normal(key, (ROWS, COLS), jnp.float32) * 1e-3
+  v, s, e = jax.jit(lambda x: group_reference.quantize_per_group(
+      x, 128, 'e4m3', True))(x)
+  del x
+  label = 'dequantize 1x128 e4m3 expand ->f32'
+  nbytes = N_PARAMS * 5 + 8 * N_PARAMS // 128
+  ref = jax.jit(lambda v, s, e: group_reference.dequantize_per_group(
+      v, s, e, 128))
+  results.append(dict(name=label, impl='xla', bytes=nbytes,
+                      s=time_call(ref, (v, s, e))))
+  dconfigs = [group_pallas.BlockSizes(target=t, num_warps=w)
+              for t, w in ((1024, 4), (2048, 8))]
+  for bs in dconfigs[:1] if quick else dconfigs:
+    f = jax.jit(functools.partial(
+        group_pallas.dequantize_per_group, group_size=128, block_sizes=bs))
+    results.append(dict(name=label, impl='pallas', config=str(bs),
+                        bytes=nbytes, s=time_call(f, (v, s, e))))
+
+
+def bench_tensor(results, quick):
+  x = (jax.random.normal(jax.random.key(2), (2 * ROWS, COLS), jnp.float32)
+       * 3).astype(jnp.bfloat16)  # 2^29 bf16 = 1 GiB
+  n = x.size
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+  configs = [tensor_pallas.BlockSizes()]
+  if not quick:
+    configs += [tensor_pallas.BlockSizes(num_warps=8, target=8192)]
+  for label, given, tr in (
+      ('quantize tensor bf16->e4m3 (amax here)', False, False),
+      ('quantize tensor bf16->e4m3 (amax given)', True, False),
+      ('quantize+transpose bf16->e4m3 (amax given)', True, True)):
+    nbytes = n * (2 + 1 + (1 if tr else 0))
+    ref = jax.jit(lambda x, a, given=given, tr=tr:
+                  tensor_reference.quantize_per_tensor(
+                      x, 'e4m3', amax=a if given else None, transpose=tr))
+    results.append(dict(name=label, impl='xla', bytes=nbytes,
+                        s=time_call(ref, (x, amax))))
+    tconfigs = configs if not tr else [
+        tensor_pallas.BlockSizes(),
+        tensor_pallas.BlockSizes(block_rows=128, block_cols=64, num_warps=8)]
+    for bs in tconfigs:
+      f = jax.jit(lambda x, a, given=given, tr=tr, bs=bs:
+                  tensor_pallas.quantize_per_tensor(
+                      x, 'e4m3', amax=a if given else None, transpose=tr,
+                      block_sizes=bs))
+      results.append(dict(name=label, impl='pallas', config=str(bs),
+                          bytes=nbytes, s=time_call(f, (x, amax))))
+
+
+def bench_adam(results, quick):
+  import optax  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, '.')
+  import coat_jax  # pylint: disable=g-import-not-at-top
+  shape = (ROWS, COLS)
+  key = jax.random.key(3)
+  fresh = lambda: jax.random.normal(key, shape, jnp.float32)
+  g = jax.random.normal(jax.random.key(4), shape, jnp.float32) * 1e-2
+  lr, wd = 1e-3, 0.1
+  # ~16.3 B/param: p, g in; p out (f32), m, v (1 B + 8/128 meta) in and out.
+  nbytes = N_PARAMS * (4 + 4 + 4 + 4 * (1 + 8 / 128))
+
+  # optax.adamw with float32 moments.
+  tx = optax.adamw(lr, weight_decay=wd)
+
+  def optax_step(state, g):
+    p, s = state
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  p = fresh()
+  step = jax.jit(optax_step, donate_argnums=0)
+  results.append(dict(name='adamw step (per 2^28 params)', impl='optax f32',
+                      bytes=N_PARAMS * 32,
+                      s=time_call(step, None, carry=((p, tx.init(p)), g))))
+  del p
+
+  # XLA COAT step: coat_adamw + apply_updates under one jit.
+  ctx = coat_jax.coat_adamw(lr, weight_decay=wd)
+
+  def coat_step(state, g):
+    p, s = state
+    u, s = ctx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  p = fresh()
+  step = jax.jit(coat_step, donate_argnums=0)
+  results.append(dict(name='adamw step (per 2^28 params)', impl='xla coat',
+                      bytes=nbytes,
+                      s=time_call(step, None, carry=((p, ctx.init(p)), g))))
+
+  # Fused Pallas step.
+  zeros = jnp.zeros(shape, jnp.float32)
+  mom = lambda: adam_reference.Moment(*group_reference.quantize_per_group(
+      zeros, 128, 'e4m3', True))
+  configs = [adam_pallas.BlockSizes()]
+  if not quick:
+    configs += [adam_pallas.BlockSizes(num_warps=w, target=t)
+                for t, w in ((256, 2), (512, 2), (512, 4), (1024, 8),
+                             (2048, 8))]
+  for bs in configs:
+    def fused_step(state, g, bs=bs):
+      p, m, v, count = state
+      count = count + 1
+      hp = adam_reference.hyperparams(count, lr, 0.9, 0.999, 1e-8, wd)
+      p, m, v = adam_pallas.coat_adam_step(
+          p, g, m, v, hp, group_size=128, expansion=True,
+          apply_weight_decay=True, block_sizes=bs)
+      return p, m, v, count
+
+    p = fresh()
+    step = jax.jit(fused_step, donate_argnums=0)
+    results.append(dict(
+        name='adamw step (per 2^28 params)', impl='pallas fused',
+        config=str(bs), bytes=nbytes,
+        s=time_call(step, None,
+                    carry=((p, mom(), mom(), jnp.int32(0)), g))))
+    del p
+
+
+def table(results):
+  copy = rows_of(results, 'copy x*2 f32')[0]
+  copy_bw = copy['bytes'] / copy['s'] / 1e9
+  lines = [f'{"op":46s} {"impl":13s} {"ms":>8s} {"GB/s":>7s} {"%copy":>6s}'
+           f' {"vs xla":>7s}  config']
+  best = {}
+  for r in results:
+    best.setdefault((r['name'], r['impl']), r)
+    if r['s'] < best[(r['name'], r['impl'])]['s']:
+      best[(r['name'], r['impl'])] = r
+  for r in results:
+    bw = r['bytes'] / r['s'] / 1e9
+    xla = best.get((r['name'], 'xla')) or best.get((r['name'], 'xla coat'))
+    ratio = xla['s'] / r['s'] if xla else float('nan')
+    lines.append(
+        f'{r["name"]:46s} {r["impl"]:13s} {r["s"] * 1e3:8.3f} {bw:7.0f}'
+        f' {100 * bw / copy_bw:5.0f}% {ratio:6.2f}x  {r.get("config", "")}')
+  return '\n'.join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--out', default=None)
+  parser.add_argument('--quick', action='store_true')
+  parser.add_argument(
+      '--only', default='probe,probe_ops,copy,group,tensor,adam')
+  args = parser.parse_args()
+  dev = jax.devices()[0]
+  print(f'# {dev.device_kind}, jax {jax.__version__},'
+        f' {time.strftime("%Y-%m-%d %H:%M:%S")}', flush=True)
+  results = []
+  benches = dict(copy=lambda r, q: bench_copy(r), group=bench_group,
+                 probe=lambda r, q: probe_xla_math(),
+                 probe_ops=lambda r, q: probe_kernel_ops(),
+                 tensor=bench_tensor, adam=bench_adam)
+  for name in args.only.split(','):
+    try:
+      benches[name](results, args.quick)
+    except Exception as e:  # keep the other numbers
+      print(f'# {name} failed: {type(e).__name__}: {e}'[:2000], flush=True)
+    for r in results:
+      r.setdefault('device', dev.device_kind)
+    if args.out:
+      with open(args.out, 'w') as f:
+        for r in results:
+          f.write(json.dumps(r) + '\n')
+    print(f'# {name} done', flush=True)
+  if rows_of(results, 'copy x*2 f32'):
+    print(table(results))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,375 @@
+"""FP8 matmul benchmark: Pallas Mosaic GPU vs cuBLASLt (fast, precise) vs BF16.
+
+  python3 benchmarks/matmul.py                 # 8192^3 + Llama-2-7B shapes
+  python3 benchmarks/matmul.py --sweep         # Pallas tile configs
+  python3 benchmarks/matmul.py --accuracy      # error vs K, all paths
+  python3 benchmarks/matmul.py --all           # sweep, then main with the best
+
+All operands are K-major: a (M, K), b (N, K); out (M, N) bfloat16 with the
+two per-tensor scales applied. Timing: >= 2 s of warm-up, then the median over
+many repetitions of back-to-back calls closed by block_until_ready. FLOPs =
+2 M N K. Peak: 1979 TFLOP/s (H100 SXM dense FP8).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.fp8_matmul import api  # pylint: disable=g-import-not-at-top
+from pallas_kernels.fp8_matmul import mosaic_gpu
+
+PEAK_TFLOPS = 1979.0
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+DIMS = (((1,), (1,)), ((), ()))
+T = 16384  # tokens per step
+# (name, M, N, K, a dtype). Llama-2-7B layers, forward E4M3 x E4M3;
+# dgrad dX = dY W and wgrad dW = dY^T X take the E5M2 gradient as a.
+SHAPES = [
+    ('square 8192^3', 8192, 8192, 8192, E4M3),
+    ('qkv fwd', T, 12288, 4096, E4M3),
+    ('qkv dgrad', T, 4096, 12288, E5M2),
+    ('qkv wgrad', 12288, 4096, T, E5M2),
+    ('o fwd', T, 4096, 4096, E4M3),
+    ('o dgrad', T, 4096, 4096, E5M2),
+    ('o wgrad', 4096, 4096, T, E5M2),
+    ('gate/up fwd', T, 22016, 4096, E4M3),
+    ('gate/up dgrad', T, 4096, 22016, E5M2),
+    ('gate/up wgrad', 22016, 4096, T, E5M2),
+    ('down fwd', T, 4096, 11008, E4M3),
+    ('down dgrad', T, 11008, 4096, E5M2),
+    ('down wgrad', 4096, 11008, T, E5M2),
+]
+
+
+def xla_fast(a, b, s):
+  """cuBLASLt FP8, XLA's default (fast) accumulation, BF16 out, no scale."""
+  del s
+  return jax.lax.dot_general(a, b, DIMS, preferred_element_type=jnp.bfloat16)
+
+
+def xla_precise(a, b, s):
+  """cuBLASLt FP8, precise accumulation (ANY_F8_ANY_F8_F32), BF16 out."""
+  del s
+  return jax.lax.dot_general(
+      a, b, DIMS, precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
+      preferred_element_type=jnp.bfloat16)
+
+
+def xla_api(a, b, s):
+  """The 'xla' implementation of fp8_matmul: f32 out, then scale and cast."""
+  return api.fp8_matmul(a, b, s, 1.0, implementation='xla')
+
+
+def bf16(a, b, s):
+  del s
+  return jax.lax.dot_general(a, b, DIMS, preferred_element_type=jnp.bfloat16)
+
+
+BEST = [None]  # the config run_sweep found fastest, used by run_main
+
+
+def pallas(a, b, s, config=None):
+  return mosaic_gpu.fp8_matmul_mosaic(a, b, s, out_dtype=jnp.bfloat16,
+                                      config=config or BEST[0])
+
+
+def operands(m, n, k, a_dtype, seed=0):
+  ka, kb = jax.random.split(jax.random.key(seed))
+  a = jax.random.normal(ka, (m, k), jnp.float32).astype(a_dtype)
+  b = jax.random.normal(kb, (n, k), jnp.float32).astype(E4M3)
+  return jax.block_until_ready((a, b))
+
+
+def time_fn(f, args, *, warmup_s=0.3, reps=21, inner=None):
+  """Median seconds per call of jitted f(*args)."""
+  jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  n = 0
+  while time.perf_counter() - t0 < warmup_s:
+    out = f(*args)
+    n += 1
+  jax.block_until_ready(out)
+  per = (time.perf_counter() - t0) / max(n, 1)
+  inner = inner or max(1, min(50, int(0.02 / per)))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    for _ in range(inner):
+      out = f(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t) / inner)
+  return statistics.median(times), min(times), max(times)
+
+
+def global_warmup(seconds=2.0):
+  a, b = operands(8192, 8192, 8192, E4M3)
+  f = jax.jit(xla_fast)
+  s = jnp.float32(1.0)
+  jax.block_until_ready(f(a, b, s))
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    jax.block_until_ready(f(a, b, s))
+
+
+def hlo_check(a, b):
+  """Custom-call targets of the compiled XLA paths."""
+  s = jnp.float32(1.0)
+  res = {}
+  for name, f in (('xla_fast', xla_fast), ('xla_precise', xla_precise),
+                  ('xla_api', xla_api)):
+    txt = jax.jit(f).lower(a, b, s).compile().as_text()
+    res[name] = {
+        'cublaslt_f8': '__cublas$lt$matmul$f8' in txt,
+        'fusions': txt.count(' fusion('),
+    }
+  return res
+
+
+def relerr(out, ref):
+  out = np.asarray(out, np.float64)
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def precise_ref(a, b, s):
+  """f32 result of the cuBLASLt precise path (scaled), to check outputs."""
+  return jax.jit(lambda a, b: api.fp8_matmul(
+      a, b, s, 1.0, out_dtype=jnp.float32, implementation='xla'))(a, b)
+
+
+@jax.jit
+def rel_diff(out, ref):
+  out = out.astype(jnp.float32)
+  return jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
+
+
+def check_close(out, a, b, s, ref=None):
+  """Relative max difference of out from the f32 cuBLASLt precise result."""
+  ref = precise_ref(a, b, s) if ref is None else ref
+  return float(rel_diff(out, ref))
+
+
+def run_main(args, log):
+  global_warmup(2.0)
+  rows = []
+  impls = [('pallas', pallas), ('xla_fast', xla_fast),
+           ('xla_precise', xla_precise), ('xla_api', xla_api), ('bf16', bf16)]
+  log['pallas_config'] = str(BEST[0] or mosaic_gpu.DEFAULT_CONFIG)
+  print('pallas config:', log['pallas_config'], flush=True)
+  shapes = SHAPES if not args.quick else SHAPES[:1]
+  for name, m, n, k, a_dtype in shapes:
+    a, b = operands(m, n, k, a_dtype)
+    s = jnp.float32(0.75)
+    flops = 2.0 * m * n * k
+    res = {}
+    if name.startswith('square'):
+      log['hlo'] = hlo_check(a, b)
+      print('hlo:', log['hlo'], flush=True)
+    ref = precise_ref(a, b, s)
+    for iname, f in impls:
+      try:
+        if iname == 'bf16':
+          xa, xb = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        else:
+          xa, xb = a, b
+        jf = jax.jit(f)
+        out = jf(xa, xb, s)
+        scaled = iname in ('pallas', 'xla_api')
+        err = check_close(out, a, b, s, ref) if scaled else None
+        med, lo, hi = time_fn(jf, (xa, xb, s))
+        res[iname] = dict(ms=med * 1e3, lo=lo * 1e3, hi=hi * 1e3,
+                          tflops=flops / med / 1e12, err=err)
+        del out, xa, xb
+      except Exception as e:  # pylint: disable=broad-except
+        traceback.print_exc()
+        res[iname] = dict(error=f'{type(e).__name__}: {str(e)[:200]}')
+    rows.append(dict(name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
+                     res=res))
+    del a, b, ref
+    print(json.dumps(rows[-1]), flush=True)
+  log['main'] = rows
+  print_main(rows)
+
+
+def print_main(rows):
+  print('\n| GEMM | M | N | K | A | Pallas | cuBLASLt fast | cuBLASLt precise'
+        ' | xla api path | BF16 | Pallas / precise | Pallas % peak'
+        ' | Pallas err |')
+  print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+  for r in rows:
+    res = r['res']
+    tf = {k: v.get('tflops') for k, v in res.items()}
+    cells = [f'{tf[i]:.0f}' if tf.get(i) else 'ERR'
+             for i in ('pallas', 'xla_fast', 'xla_precise', 'xla_api', 'bf16')]
+    ratio = (f'{tf["pallas"] / tf["xla_precise"]:.2f}'
+             if tf.get('pallas') and tf.get('xla_precise') else '-')
+    pk = f'{100 * tf["pallas"] / PEAK_TFLOPS:.0f}%' if tf.get('pallas') else '-'
+    err = res.get('pallas', {}).get('err')
+    err = f'{err:.1e}' if err is not None else '-'
+    print(f'| {r["name"]} | {r["m"]} | {r["n"]} | {r["k"]} | {r["a"]} | '
+          + ' | '.join(cells) + f' | {ratio} | {pk} | {err} |')
+
+
+C = mosaic_gpu.Config
+SWEEP = [
+    C(block_k=128, split_k=1),
+    C(block_k=256, split_k=2),
+    C(block_k=256, split_k=2, cluster_m=2),
+    C(block_k=256, split_k=2, max_stages=2),
+    C(block_k=256, split_k=1),
+    C(block_k=128, split_k=1, block_n=192, cluster_m=2),
+    C(block_k=256, split_k=2, grid_tile_width=16),
+    C(block_n=256, block_k=128, promote=False, split_k=1),  # fast acc.
+]
+
+
+def run_sweep(args, log):
+  global_warmup(2.0)
+  rows = []
+  shapes = [SHAPES[0], SHAPES[3]]
+  for name, m, n, k, a_dtype in shapes:
+    a, b = operands(m, n, k, a_dtype)
+    s = jnp.float32(0.75)
+    flops = 2.0 * m * n * k
+    ref = precise_ref(a, b, s)
+    for f, label in ((xla_precise, 'xla_precise'), (xla_fast, 'xla_fast')):
+      med, _, _ = time_fn(jax.jit(f), (a, b, s))
+      rows.append(dict(shape=name, cfg=label, tflops=flops / med / 1e12,
+                       err=None))
+      print(rows[-1], flush=True)
+    for cfg in SWEEP:
+      if args.configs and str(SWEEP.index(cfg)) not in args.configs.split(','):
+        continue
+      try:
+        jf = jax.jit(lambda a, b, s, cfg=cfg: pallas(a, b, s, cfg))
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(jf(a, b, s))
+        compile_s = time.perf_counter() - t0
+        err = check_close(out, a, b, s, ref)
+        med, _, _ = time_fn(jf, (a, b, s))
+        rows.append(dict(shape=name, cfg=str(cfg), tflops=flops / med / 1e12,
+                         err=err, compile_s=compile_s))
+      except Exception as e:  # pylint: disable=broad-except
+        traceback.print_exc()
+        rows.append(dict(shape=name, cfg=str(cfg),
+                         error=f'{type(e).__name__}: {str(e)[:300]}'))
+      print(rows[-1], flush=True)
+    del a, b, ref
+  log['sweep'] = rows
+  # Fastest config as precise as cuBLASLt (promotion every <= 128 of K), by
+  # mean TFLOP/s over the shapes.
+  precise = {str(c) for c in SWEEP
+             if c.promote and c.block_k // c.split_k <= 128}
+  score = {}
+  for r in rows:
+    if 'tflops' in r and r['cfg'] in precise:
+      score.setdefault(r['cfg'], []).append(r['tflops'])
+  score = {c: sum(v) / len(v) for c, v in score.items()
+           if len(v) == len(shapes)}
+  if score:
+    best = max(score, key=score.get)
+    BEST[0] = next(c for c in SWEEP if str(c) == best)
+    log['best'] = best
+  print('\n| shape | config | TFLOP/s | err vs precise |')
+  print('|---|---|---|---|')
+  for r in rows:
+    cfg = r['cfg'].replace('Config', '').replace('block_', '')
+    if 'error' in r:
+      print(f'| {r["shape"]} | {cfg} | ERROR {r["error"][:120]} | |')
+    else:
+      err = '-' if r['err'] is None else f'{r["err"]:.1e}'
+      print(f'| {r["shape"]} | {cfg} | {r["tflops"]:.0f} | {err} |')
+
+
+def run_accuracy(args, log):
+  """Max relative error vs float64, M = N = 1024, like perf anchors (b)."""
+  del args
+  rows = []
+  variants = [
+      ('pallas promote/128', lambda a, b: pallas32(
+          a, b, C(block_k=128, split_k=1))),
+      ('pallas default', lambda a, b: pallas32(a, b, None)),
+      ('pallas promote/256', lambda a, b: pallas32(
+          a, b, C(block_k=256, split_k=1))),
+      ('pallas no promote', lambda a, b: pallas32(
+          a, b, C(block_m=256, block_k=128, promote=False, split_k=1))),
+      ('xla fast', lambda a, b: jax.lax.dot_general(
+          a, b, DIMS, preferred_element_type=jnp.float32)),
+      ('xla precise', lambda a, b: api.fp8_matmul(
+          a, b, 1.0, 1.0, out_dtype=jnp.float32, implementation='xla')),
+  ]
+  for dist in ('uniform', 'normal'):
+    for a_dtype in (E4M3, E5M2):
+      for k in (1024, 4096, 16384):
+        ka, kb = jax.random.split(jax.random.key(k))
+        if dist == 'uniform':
+          a = jax.random.uniform(ka, (1024, k)).astype(a_dtype)
+          b = jax.random.uniform(kb, (1024, k)).astype(E4M3)
+        else:
+          a = jax.random.normal(ka, (1024, k)).astype(a_dtype)
+          b = jax.random.normal(kb, (1024, k)).astype(E4M3)
+        a64 = np.asarray(a.astype(jnp.float32), np.float64)
+        b64 = np.asarray(b.astype(jnp.float32), np.float64)
+        ref = a64 @ b64.T
+        row = dict(dist=dist, a=jnp.dtype(a_dtype).name, k=k)
+        for label, f in variants:
+          try:
+            row[label] = relerr(jax.jit(f)(a, b), ref)
+          except Exception as e:  # pylint: disable=broad-except
+            row[label] = f'{type(e).__name__}: {str(e)[:100]}'
+        rows.append(row)
+        print(row, flush=True)
+  log['accuracy'] = rows
+  labels = [v[0] for v in variants]
+  print('\n| inputs | A | K | ' + ' | '.join(labels) + ' |')
+  print('|---' * (3 + len(labels)) + '|')
+  for r in rows:
+    cells = [f'{r[name]:.1e}' if isinstance(r[name], float) else 'ERR'
+             for name in labels]
+    print(f'| {r["dist"]} | {r["a"]} | {r["k"]} | ' + ' | '.join(cells) + ' |')
+
+
+def pallas32(a, b, cfg):
+  return mosaic_gpu.fp8_matmul_mosaic(a, b, jnp.float32(1.0),
+                                      out_dtype=jnp.float32, config=cfg)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument('--sweep', action='store_true')
+  p.add_argument('--accuracy', action='store_true')
+  p.add_argument('--quick', action='store_true')
+  p.add_argument('--all', action='store_true', help='sweep, then main')
+  p.add_argument('--configs', default='', help='sweep indices, e.g. 0,3')
+  p.add_argument('--out', default=os.environ.get('OUT', '.'))
+  args = p.parse_args()
+  dev = jax.devices()[0]
+  log = dict(device=dev.device_kind, jax=jax.__version__,
+             date=datetime.date.today().isoformat())
+  print(log, flush=True)
+  mode = ('all' if args.all else 'sweep' if args.sweep else
+          'accuracy' if args.accuracy else 'main')
+  try:
+    if mode == 'all':
+      run_sweep(args, log)
+      run_main(args, log)
+    else:
+      {'sweep': run_sweep, 'accuracy': run_accuracy, 'main': run_main}[mode](
+          args, log)
+  finally:
+    with open(os.path.join(args.out, f'matmul_{mode}.json'), 'w') as fh:
+      json.dump(log, fh, indent=1, default=str)
+
+
+if __name__ == '__main__':
+  main()

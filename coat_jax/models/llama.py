@@ -1,0 +1,320 @@
+"""Llama (RMSNorm, RoPE, GQA, SwiGLU) in three precision modes.
+
+The modes ('bf16', 'fp8_linear', 'coat'; see `coat_jax.nn.precision`) share
+this code; only the layer implementations differ. Residual stream, RoPE and
+attention (`jax.nn.dot_product_attention`: cuDNN flash attention on GPU where
+it accepts the shapes, XLA elsewhere) are BF16; embeddings, final norm, LM
+head and loss are BF16 with float32 statistics; params are float32.
+"""
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from coat_jax.models.loss import chunked_cross_entropy
+from coat_jax.nn import linear
+from coat_jax.nn import partitioning
+from coat_jax.nn import precision as precision_lib
+from coat_jax.nn.mlp import CoatMLP
+from coat_jax.nn.norm import CoatRMSNorm
+
+_PRESETS = {
+    'tiny': dict(vocab_size=256, hidden_size=64, intermediate_size=176,
+                 num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=256),
+    '125m': dict(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                 num_layers=12, num_heads=12, num_kv_heads=12,
+                 max_seq_len=2048, tie_embeddings=True),
+    '1b': dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+               num_layers=22, num_heads=32, num_kv_heads=4, max_seq_len=2048),
+    'llama2_7b': dict(vocab_size=32000, hidden_size=4096,
+                      intermediate_size=11008, num_layers=32, num_heads=32,
+                      num_kv_heads=32, max_seq_len=4096),
+    'llama2_13b': dict(vocab_size=32000, hidden_size=5120,
+                       intermediate_size=13824, num_layers=40, num_heads=40,
+                       num_kv_heads=40, max_seq_len=4096),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Llama architecture.
+
+  Attributes:
+    vocab_size: number of token ids.
+    hidden_size: model width H.
+    intermediate_size: SwiGLU width I.
+    num_layers: decoder layers.
+    num_heads: query heads; H must be a multiple of it.
+    num_kv_heads: key/value heads (GQA); divides num_heads.
+    max_seq_len: length of the RoPE table; longer sequences are rejected.
+    rope_theta: RoPE base.
+    rms_norm_eps: RMSNorm epsilon.
+    tie_embeddings: use the embedding table as the LM head.
+    init_std: std of the normal initializer of all matrices.
+  """
+
+  vocab_size: int = 32000
+  hidden_size: int = 4096
+  intermediate_size: int = 11008
+  num_layers: int = 32
+  num_heads: int = 32
+  num_kv_heads: int = 32
+  max_seq_len: int = 4096
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'hidden_size', 'intermediate_size',
+                 'num_layers', 'num_heads', 'num_kv_heads', 'max_seq_len'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f'{name}={value!r} must be a positive int.')
+    if self.hidden_size % self.num_heads:
+      raise ValueError(
+          f'hidden_size={self.hidden_size} must be a multiple of'
+          f' num_heads={self.num_heads}.')
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f'num_heads={self.num_heads} must be a multiple of'
+          f' num_kv_heads={self.num_kv_heads} (grouped-query attention).')
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim={self.head_dim} must be even for RoPE.')
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @classmethod
+  def preset(cls, name: str, **overrides: Any) -> 'LlamaConfig':
+    """A named configuration ('tiny', '125m', '1b', 'llama2_7b',
+    'llama2_13b'), with optional field overrides."""
+    if name not in _PRESETS:
+      raise ValueError(
+          f'preset {name!r} is unknown: use one of {sorted(_PRESETS)}.')
+    return cls(**{**_PRESETS[name], **overrides})
+
+
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float
+) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles, each (seq_len, head_dim // 2) f32."""
+  inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32)
+                       / head_dim)
+  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotates halves of the head dimension (HF Llama's `rotate_half`).
+
+  Args:
+    x: (B, S, N, D).
+    cos: (S, D // 2).
+    sin: (S, D // 2).
+
+  Returns:
+    (B, S, N, D) in x.dtype, computed in float32.
+  """
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  c = cos[None, :, None, :]
+  s = sin[None, :, None, :]
+  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+  return out.astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal GQA attention through `jax.nn.dot_product_attention`.
+
+  `implementation=None` there always means XLA (jax <= 0.11), which saves
+  the (B, N, S, S) probabilities; on GPU this asks for cuDNN flash attention
+  (saves q, k, v, o and row statistics) and falls back to XLA where cuDNN
+  rejects the shapes or dtypes.
+
+  Args:
+    q: (B, S, N, D); k, v: (B, S, K, D) with N a multiple of K.
+
+  Returns:
+    (B, S, N, D) in q.dtype.
+  """
+  if jax.default_backend() == 'gpu':
+    try:
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                          implementation='cudnn')
+    except (ValueError, NotImplementedError, RuntimeError, TypeError):
+      pass
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nnx.Module):
+  """Causal GQA self-attention with RoPE; projections are CoatLinear."""
+
+  def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
+               param_dtype: Any, implementation: str | None, rngs: nnx.Rngs):
+    h, d = config.hidden_size, config.head_dim
+    kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
+              precision=precision, implementation=implementation,
+              kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs)
+    self.q_proj = linear.CoatLinear(
+        h, config.num_heads * d, kernel_axes=('embed', 'heads'), **kw)
+    self.k_proj = linear.CoatLinear(
+        h, config.num_kv_heads * d, kernel_axes=('embed', 'kv_heads'), **kw)
+    self.v_proj = linear.CoatLinear(
+        h, config.num_kv_heads * d, kernel_axes=('embed', 'kv_heads'), **kw)
+    self.o_proj = linear.CoatLinear(
+        config.num_heads * d, h, kernel_axes=('heads', 'embed'), **kw)
+    self.num_heads = config.num_heads
+    self.num_kv_heads = config.num_kv_heads
+    self.head_dim = d
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """(B, S, H) -> (B, S, H); cos/sin (S, head_dim // 2)."""
+    b, s, _ = x.shape
+    q, k, v = linear.fanout(x, [self.q_proj, self.k_proj, self.v_proj])
+    q = apply_rope(q.reshape(b, s, self.num_heads, self.head_dim), cos, sin)
+    k = apply_rope(k.reshape(b, s, self.num_kv_heads, self.head_dim), cos, sin)
+    v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
+    o = causal_attention(q, k, v)
+    return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+  def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
+               param_dtype: Any, implementation: str | None, rngs: nnx.Rngs):
+    kw = dict(precision=precision, dtype=dtype, param_dtype=param_dtype)
+    self.attn_norm = CoatRMSNorm(
+        config.hidden_size, epsilon=config.rms_norm_eps, scale_axes=('norm',),
+        rngs=rngs, **kw)
+    self.attn = Attention(config, implementation=implementation, rngs=rngs,
+                          **kw)
+    self.mlp_norm = CoatRMSNorm(
+        config.hidden_size, epsilon=config.rms_norm_eps, scale_axes=('norm',),
+        rngs=rngs, **kw)
+    self.mlp = CoatMLP(
+        config.hidden_size, config.intermediate_size,
+        kernel_init=nnx.initializers.normal(config.init_std),
+        implementation=implementation, rngs=rngs, **kw)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """(B, S, H) bf16 residual stream -> same."""
+    x = x + self.attn(self.attn_norm(x), cos, sin)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+  """Llama decoder-only language model.
+
+  Args:
+    config: the architecture.
+    precision: 'bf16', 'fp8_linear' or 'coat'.
+    dtype: activation dtype (bfloat16).
+    param_dtype: parameter dtype (float32 master weights).
+    implementation: `fp8_matmul` implementation ('xla', 'pallas', None).
+    rngs: random number generators.
+  """
+
+  def __init__(self, config: LlamaConfig, *, precision: str = 'coat',
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+               implementation: str | None = None, rngs: nnx.Rngs):
+    precision_lib.check_precision(precision)
+    if precision_lib.uses_fp8_matmuls(precision):
+      precision_lib.check_fp8_size('config.hidden_size', config.hidden_size,
+                                   precision)
+      precision_lib.check_fp8_size('config.intermediate_size',
+                                   config.intermediate_size, precision)
+      precision_lib.check_fp8_size(
+          'config.num_kv_heads * config.head_dim',
+          config.num_kv_heads * config.head_dim, precision)
+    init = nnx.initializers.normal(config.init_std)
+    self.embed = partitioning.make_param(
+        init, rngs.params(), (config.vocab_size, config.hidden_size),
+        param_dtype, ('vocab', 'embed'))
+    self.layers = nnx.List([
+        DecoderLayer(config, precision=precision, dtype=dtype,
+                     param_dtype=param_dtype, implementation=implementation,
+                     rngs=rngs)
+        for _ in range(config.num_layers)])
+    # The final norm is BF16 in every mode (as in COAT).
+    self.norm = CoatRMSNorm(
+        config.hidden_size, epsilon=config.rms_norm_eps, dtype=dtype,
+        param_dtype=param_dtype, precision='bf16', scale_axes=('norm',),
+        rngs=rngs)
+    if config.tie_embeddings:
+      self.lm_head = nnx.data(None)
+    else:
+      self.lm_head = partitioning.make_param(
+          init, rngs.params(), (config.hidden_size, config.vocab_size),
+          param_dtype, ('embed', 'vocab'))
+    self.config = config
+    self.precision = precision
+    self.dtype = dtype
+
+  def head_kernel(self) -> jax.Array:
+    """The (H, V) output projection (the embedding's transpose if tied)."""
+    if self.lm_head is None:
+      return self.embed[...].T
+    return self.lm_head[...]
+
+  def hidden_states(self, tokens: jax.Array) -> jax.Array:
+    """int tokens (B, S) -> final normed hidden states (B, S, H) in dtype."""
+    seq = _check_tokens(tokens, self.config)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+    cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta)
+    for layer in self.layers:
+      x = layer(x, cos, sin)
+    return self.norm(x)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """int tokens (B, S) -> float32 logits (B, S, V)."""
+    h = self.hidden_states(tokens)
+    return jnp.dot(h, self.head_kernel().astype(self.dtype),
+                   preferred_element_type=jnp.float32)
+
+
+def _check_tokens(tokens: Any, config: LlamaConfig) -> int:
+  dtype = getattr(tokens, 'dtype', None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(
+        f'tokens has dtype {dtype}; it must be an integer array of token ids'
+        ' (e.g. tokens.astype(jnp.int32)).')
+  if tokens.ndim != 2:
+    raise ValueError(
+        f'tokens has shape {tokens.shape}; expected (batch, seq) (add a batch'
+        ' axis with tokens[None]).')
+  seq = tokens.shape[1]
+  if seq > config.max_seq_len:
+    raise ValueError(
+        f'tokens has sequence length {seq}, longer than the RoPE table'
+        f' (config.max_seq_len={config.max_seq_len}); shorten the sequence or'
+        f' raise max_seq_len (LlamaConfig.preset(..., max_seq_len={seq})).')
+  return seq
+
+
+def lm_loss(model: Llama, tokens: jax.Array, targets: jax.Array, *,
+            chunk_size: int = 1024) -> jax.Array:
+  """Mean next-token cross entropy, without materializing all logits.
+
+  Args:
+    model: a Llama.
+    tokens: (B, S) integer inputs.
+    targets: (B, S) integer next tokens; negative ids are ignored.
+    chunk_size: tokens per chunk of (chunk_size, V) float32 logits.
+
+  Returns:
+    float32 scalar: summed loss / number of targets >= 0 (0 if none).
+  """
+  if getattr(targets, 'shape', None) != getattr(tokens, 'shape', None):
+    raise ValueError(
+        f'targets has shape {getattr(targets, "shape", None)}; expected the'
+        f' shape of tokens {getattr(tokens, "shape", None)}.')
+  hidden = model.hidden_states(tokens)
+  loss_sum, count = chunked_cross_entropy(
+      hidden, model.head_kernel(), targets, chunk_size=chunk_size,
+      dtype=model.dtype)
+  return loss_sum / jnp.maximum(count, 1.0)

@@ -1,0 +1,63 @@
+"""Chunked softmax cross entropy: the full FP32 logits never exist at once."""
+
+import jax
+import jax.numpy as jnp
+
+
+def chunked_cross_entropy(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    *,
+    chunk_size: int = 1024,
+    dtype=jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array]:
+  """Sum of -log softmax(hidden @ head)[target] over tokens, chunk by chunk.
+
+  Tokens are processed `chunk_size` at a time by a checkpointed function under
+  `jax.lax.map`: at most one (chunk_size, V) float32 logits block is live, in
+  the forward and in the backward (which recomputes it).
+
+  Args:
+    hidden: (..., H) final hidden states.
+    head: (H, V) output projection (float32 param; cast to `dtype`).
+    targets: (...) integer class ids; negative ids are ignored.
+    chunk_size: tokens per chunk.
+    dtype: matmul input dtype; logits accumulate in float32.
+
+  Returns:
+    (loss_sum, count): float32 scalars, the summed loss over the targets that
+    are >= 0 and their number.
+  """
+  if not jnp.issubdtype(targets.dtype, jnp.integer):
+    raise TypeError(f'targets has dtype {targets.dtype}; it must hold integer'
+                    ' token ids (e.g. int32).')
+  if targets.shape != hidden.shape[:-1]:
+    raise ValueError(f'targets has shape {targets.shape}; expected'
+                     f' {hidden.shape[:-1]} (hidden.shape[:-1]).')
+  if chunk_size <= 0:
+    raise ValueError(f'chunk_size={chunk_size} must be positive.')
+  width = hidden.shape[-1]
+  h = hidden.reshape(-1, width).astype(dtype)
+  t = targets.reshape(-1).astype(jnp.int32)
+  tokens = t.shape[0]
+  chunk = min(chunk_size, tokens)
+  pad = -tokens % chunk
+  if pad:
+    h = jnp.pad(h, ((0, pad), (0, 0)))
+    t = jnp.pad(t, (0, pad), constant_values=-1)
+  w = head.astype(dtype)
+
+  @jax.checkpoint
+  def chunk_loss(h_c, t_c, w):
+    logits = jnp.dot(h_c, w, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(
+        logits, jnp.maximum(t_c, 0)[:, None], axis=-1)[:, 0]
+    return jnp.sum(jnp.where(t_c >= 0, lse - picked, 0.0))
+
+  sums = jax.lax.map(
+      lambda xs: chunk_loss(xs[0], xs[1], w),
+      (h.reshape(-1, chunk, width), t.reshape(-1, chunk)))
+  count = jnp.sum(t >= 0).astype(jnp.float32)
+  return jnp.sum(sums), count

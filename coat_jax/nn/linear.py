@@ -1,0 +1,236 @@
+"""Linear layers: BF16, or FP8 GEMMs that save only the FP8 input.
+
+`fp8_dense` is a `jax.custom_vjp` whose forward quantizes the input and each
+weight per-tensor to E4M3 just in time and keeps only the FP8 input and its
+scale (the weights are params, alive anyway: backward requantizes them). The
+backward quantizes each output gradient per-tensor to E5M2 and runs dgrad
+(dy . W) and wgrad (x^T . dy) as FP8 GEMMs. `fp8_matmul` needs K-major
+operands, so wgrad uses transposed FP8 copies made with `jnp.transpose` (a
+fused quantize+transpose kernel can replace them).
+
+Several kernels may share one input (Q/K/V, gate/up): the input is then
+quantized and saved once.
+"""
+
+from collections.abc import Sequence
+import functools
+from types import MappingProxyType
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from coat_jax.nn import partitioning
+from coat_jax.nn import precision as precision_lib
+from coat_jax.nn.fp8_matmul import fp8_matmul
+from coat_jax.quant import quantize_per_tensor
+
+default_kernel_init = nnx.initializers.lecun_normal()
+default_bias_init = nnx.initializers.zeros_init()
+
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_dense_2d(x, kernels, implementation):
+  """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0."""
+  return _fp8_dense_fwd(x, kernels, implementation)[0]
+
+
+def _fp8_dense_fwd(x, kernels, implementation):
+  xq = quantize_per_tensor(x, 'e4m3')
+  outs = []
+  for w in kernels:
+    wq = quantize_per_tensor(w, 'e4m3')
+    outs.append(fp8_matmul(
+        xq.values, wq.values.T, xq.scale, wq.scale, out_dtype=x.dtype,
+        implementation=implementation))
+  return tuple(outs), (xq.values, xq.scale, kernels)
+
+
+def _fp8_dense_bwd(implementation, residuals, grads):
+  x_values, x_scale, kernels = residuals
+  x_t = x_values.T  # (K, M): K-major operand of wgrad.
+  dtype = grads[0].dtype
+  dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
+  dx = None
+  dkernels = []
+  for w, g in zip(kernels, grads, strict=True):
+    gq = quantize_per_tensor(g, 'e5m2')
+    wq = quantize_per_tensor(w, 'e4m3')
+    part = fp8_matmul(gq.values, wq.values, gq.scale, wq.scale,
+                      out_dtype=dgrad_dtype, implementation=implementation)
+    dx = part if dx is None else dx + part
+    dkernels.append(fp8_matmul(
+        x_t, gq.values.T, x_scale, gq.scale, out_dtype=w.dtype,
+        implementation=implementation))
+  return dx.astype(dtype), tuple(dkernels)
+
+
+_fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
+
+
+def _check_dense_args(x, kernels) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f'x has dtype {x.dtype}; a linear layer needs floating'
+                    ' inputs (bfloat16 activations).')
+  if x.ndim < 1:
+    raise ValueError('x must have at least one axis (the features).')
+  for i, w in enumerate(kernels):
+    if w.ndim != 2 or w.shape[0] != x.shape[-1]:
+      raise ValueError(
+          f'kernels[{i}] has shape {w.shape}; it must be (in_features,'
+          f' out_features) with in_features = x.shape[-1] = {x.shape[-1]}.')
+
+
+def fp8_dense(
+    x: jax.Array, kernels: Sequence[jax.Array], *,
+    implementation: str | None = None,
+) -> tuple[jax.Array, ...]:
+  """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
+
+  Args:
+    x: (..., K) bfloat16 or float32 input; K a multiple of 16.
+    kernels: one or more (K, N_i) weights (float32 params), N_i multiples of
+      16. Their gradients come back in their own dtype.
+    implementation: passed to `fp8_matmul` ('xla', 'pallas' or None).
+
+  Returns:
+    Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
+    (M x K bytes), its float32 scale, and the kernels themselves.
+  """
+  kernels = tuple(kernels)
+  _check_dense_args(x, kernels)
+  if jnp.dtype(x.dtype) not in _OUT_DTYPES:
+    raise TypeError(f'x has dtype {x.dtype}; FP8 layers take bfloat16 or'
+                    ' float32 inputs.')
+  for name, size in [('x.shape[-1]', x.shape[-1])] + [
+      (f'kernels[{i}].shape[1]', w.shape[1]) for i, w in enumerate(kernels)]:
+    precision_lib.check_fp8_size(name, size, 'fp8_linear')
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, x.shape[-1])
+  rows = x2.shape[0]
+  pad = -rows % precision_lib.FP8_MULTIPLE
+  if pad:  # FP8 GEMMs tile M by 16; zero rows add nothing to wgrad.
+    x2 = jnp.pad(x2, ((0, pad), (0, 0)))
+  outs = _fp8_dense_2d(x2, kernels, implementation)
+  return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
+
+
+def bf16_dense(
+    x: jax.Array, kernels: Sequence[jax.Array], *, dtype: Any = jnp.bfloat16,
+) -> tuple[jax.Array, ...]:
+  """Plain linear maps `x @ w` in `dtype` (autodiff saves what it needs)."""
+  kernels = tuple(kernels)
+  _check_dense_args(x, kernels)
+  x = x.astype(dtype)
+  return tuple(jnp.dot(x, w.astype(dtype)) for w in kernels)
+
+
+def dense(
+    x: jax.Array, kernels: Sequence[jax.Array], *, precision: str,
+    dtype: Any = jnp.bfloat16, implementation: str | None = None,
+) -> tuple[jax.Array, ...]:
+  """`x @ w` for each kernel, with the implementation of `precision`.
+
+  'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense`.
+  x is cast to `dtype` first; outputs are in `dtype`.
+  """
+  x = x.astype(dtype)
+  if precision_lib.uses_fp8_matmuls(precision):
+    return fp8_dense(x, kernels, implementation=implementation)
+  return bf16_dense(x, kernels, dtype=dtype)
+
+
+class CoatLinear(nnx.Module):
+  """A linear layer over the last axis; FP8 GEMMs in FP8 precision modes.
+
+  Mirrors `nnx.Linear`: kernel (in_features, out_features), optional bias
+  (out_features,), both `param_dtype` (float32 master weights); compute in
+  `dtype` (bfloat16). With precision 'fp8_linear' or 'coat' the matmuls are
+  FP8 (E4M3 forward, E5M2 x E4M3 backward) and only the FP8 input is saved
+  for backward.
+
+  Args:
+    in_features: input size (a multiple of 16 in FP8 modes).
+    out_features: output size (a multiple of 16 in FP8 modes).
+    use_bias: add a bias (default True, as nnx.Linear).
+    dtype: computation dtype (bfloat16 or float32).
+    param_dtype: parameter dtype.
+    precision: 'bf16', 'fp8_linear' or 'coat'.
+    kernel_init: initializer of the kernel.
+    bias_init: initializer of the bias.
+    kernel_axes: logical axis names of the kernel, e.g. ('embed', 'mlp').
+    implementation: `fp8_matmul` implementation ('xla', 'pallas', None).
+    rngs: random number generators.
+    kernel_metadata: extra metadata for the kernel Param.
+    bias_metadata: extra metadata for the bias Param.
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      use_bias: bool = True,
+      dtype: Any = jnp.bfloat16,
+      param_dtype: Any = jnp.float32,
+      precision: str = 'coat',
+      kernel_init: Any = default_kernel_init,
+      bias_init: Any = default_bias_init,
+      kernel_axes: tuple[str | None, ...] | None = None,
+      implementation: str | None = None,
+      rngs: nnx.Rngs,
+      kernel_metadata: Any = MappingProxyType({}),
+      bias_metadata: Any = MappingProxyType({}),
+  ):
+    precision_lib.check_fp8_size('in_features', in_features, precision)
+    precision_lib.check_fp8_size('out_features', out_features, precision)
+    self.kernel = partitioning.make_param(
+        kernel_init, rngs.params(), (in_features, out_features), param_dtype,
+        kernel_axes)
+    for k, v in kernel_metadata.items():
+      self.kernel.set_metadata(k, v)
+    self.bias: nnx.Param | None
+    if use_bias:
+      bias_axes = None if kernel_axes is None else kernel_axes[-1:]
+      self.bias = partitioning.make_param(
+          bias_init, rngs.params(), (out_features,), param_dtype, bias_axes)
+      for k, v in bias_metadata.items():
+        self.bias.set_metadata(k, v)
+    else:
+      self.bias = nnx.data(None)
+    self.in_features = in_features
+    self.out_features = out_features
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+    self.implementation = implementation
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """(..., in_features) -> (..., out_features) in `dtype`."""
+    return fanout(x, [self])[0]
+
+
+def fanout(
+    x: jax.Array, layers: Sequence[CoatLinear]
+) -> tuple[jax.Array, ...]:
+  """Applies several CoatLinear layers to one input, saving it only once.
+
+  The layers must share precision, dtype and implementation (Q/K/V or
+  gate/up projections). Returns one output per layer.
+  """
+  first = layers[0]
+  for layer in layers[1:]:
+    if (layer.precision, layer.dtype, layer.implementation) != (
+        first.precision, first.dtype, first.implementation):
+      raise ValueError('fanout: all layers must share precision, dtype and'
+                       ' implementation.')
+  outs = dense(x, [layer.kernel[...] for layer in layers],
+               precision=first.precision, dtype=first.dtype,
+               implementation=first.implementation)
+  return tuple(
+      y + layer.bias[...].astype(y.dtype) if layer.bias is not None else y
+      for y, layer in zip(outs, layers, strict=True))

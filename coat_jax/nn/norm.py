@@ -1,0 +1,137 @@
+"""RMSNorm: plain BF16, or a custom_vjp that saves its input as FP8 1x16.
+
+y = x * rsqrt(mean(x^2) + eps) * scale, statistics in float32.
+`fp8_rms_norm` saves only x as E4M3 in 1x16 groups (bfloat16 scales) and
+rstd (float32, one per row); backward dequantizes x and recomputes x_hat.
+"""
+
+import functools
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from coat_jax.nn import partitioning
+from coat_jax.nn import precision as precision_lib
+from coat_jax.quant import dequantize
+from coat_jax.quant import quantize_per_group
+
+_ones_init = nnx.initializers.ones_init()
+
+
+def _stats(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+  xf = x.astype(jnp.float32)
+  rstd = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return xf, rstd
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
+  """Reference RMSNorm in plain jnp (autodiff decides what it saves).
+
+  Written as HF Llama's: normalize in float32, cast, then apply the gain in
+  x.dtype.
+
+  Args:
+    x: (..., H) floating input.
+    scale: (H,) gain.
+    eps: added to the mean square.
+
+  Returns:
+    (..., H) in x.dtype.
+  """
+  xf, rstd = _stats(x, eps)
+  return scale.astype(x.dtype) * (xf * rstd).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_rms_norm(x, scale, eps):
+  return _fp8_rms_norm_fwd(x, scale, eps)[0]
+
+
+def _fp8_rms_norm_fwd(x, scale, eps):
+  xf, rstd = _stats(x, eps)
+  y = (xf * rstd * scale.astype(jnp.float32)).astype(x.dtype)
+  xq = quantize_per_group(x, precision_lib.GROUP_SIZE, 'e4m3',
+                          scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)
+  return y, (xq, rstd, scale)
+
+
+def _fp8_rms_norm_bwd(eps, residuals, g):
+  del eps
+  xq, rstd, scale = residuals
+  x_hat = dequantize(xq, jnp.float32) * rstd
+  gf = g.astype(jnp.float32)
+  g_hat = gf * scale.astype(jnp.float32)
+  dx = rstd * (g_hat - x_hat * jnp.mean(g_hat * x_hat, axis=-1, keepdims=True))
+  dscale = jnp.sum((gf * x_hat).reshape(-1, x_hat.shape[-1]), axis=0)
+  return dx.astype(g.dtype), dscale.astype(scale.dtype)
+
+
+_fp8_rms_norm.defvjp(_fp8_rms_norm_fwd, _fp8_rms_norm_bwd)
+
+
+def fp8_rms_norm(
+    x: jax.Array, scale: jax.Array, eps: float = 1e-5
+) -> jax.Array:
+  """RMSNorm that saves its input as E4M3 1x16 groups plus fp32 rstd.
+
+  Args:
+    x: (..., H) bfloat16 (or float32) input, H a multiple of 16.
+    scale: (H,) gain (a float32 param; its gradient keeps its dtype).
+    eps: added to the mean square.
+
+  Returns:
+    (..., H) in x.dtype, identical to `rms_norm` in the forward pass.
+    Saved: H bytes + H/16 bf16 scales + one fp32 rstd per row.
+  """
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f'x has dtype {x.dtype}; RMSNorm needs floating inputs.')
+  precision_lib.check_fp8_size('x.shape[-1]', x.shape[-1], 'coat')
+  if scale.shape != x.shape[-1:]:
+    raise ValueError(f'scale has shape {scale.shape}; expected'
+                     f' ({x.shape[-1]},) to match x.shape[-1].')
+  return _fp8_rms_norm(x, scale, eps)
+
+
+class CoatRMSNorm(nnx.Module):
+  """RMSNorm over the last axis; saves FP8 1x16 input in 'coat' mode.
+
+  Args:
+    num_features: size H of the last axis (a multiple of 16 for 'coat').
+    epsilon: added to the mean square (Llama-2: 1e-5).
+    dtype: output dtype (bfloat16); statistics are float32.
+    param_dtype: dtype of the scale param (float32).
+    precision: 'bf16', 'fp8_linear' (both plain jnp) or 'coat'.
+    scale_init: initializer of the scale (ones).
+    scale_axes: logical axis name of the scale, e.g. ('norm',).
+    rngs: random number generators.
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      *,
+      epsilon: float = 1e-5,
+      dtype: Any = jnp.bfloat16,
+      param_dtype: Any = jnp.float32,
+      precision: str = 'coat',
+      scale_init: Any = _ones_init,
+      scale_axes: tuple[str | None, ...] | None = None,
+      rngs: nnx.Rngs,
+  ):
+    if precision_lib.uses_fp8_activations(precision):
+      precision_lib.check_fp8_size('num_features', num_features, precision)
+    self.scale = partitioning.make_param(
+        scale_init, rngs.params(), (num_features,), param_dtype, scale_axes)
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.precision = precision
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """(..., num_features) -> same shape in `dtype`."""
+    x = x.astype(self.dtype)
+    if precision_lib.uses_fp8_activations(self.precision):
+      return fp8_rms_norm(x, self.scale[...], self.epsilon)
+    return rms_norm(x, self.scale[...], self.epsilon)

@@ -1,0 +1,65 @@
+"""Precision modes of the layers, and the constants COAT's numerics fix.
+
+Modes (the same model code; only the layer implementations differ):
+  'bf16': BF16 matmuls and plain jnp non-linear layers (autodiff decides
+    what is saved): the baseline.
+  'fp8_linear': FP8 matmuls whose linear layers save FP8 inputs, BF16
+    non-linear layers (as TransformerEngine-JAX does).
+  'coat': FP8 matmuls, and RMSNorm and SwiGLU save their inputs as FP8 1x16
+    groups (COAT's mixed-granularity precision flow).
+"""
+
+import jax.numpy as jnp
+
+PRECISIONS = ('bf16', 'fp8_linear', 'coat')
+
+# 1x16 groups along the last (hidden) axis for non-linear layer inputs.
+GROUP_SIZE = 16
+
+# Storage dtype of the 1x16 activation scales. bf16 costs 2/16 = 0.125 bytes
+# per element on top of the 1-byte code (fp32: 0.25), so an FP8g tensor is
+# 1.125 bytes/element instead of 1.25: 10% less saved memory for every 1x16
+# tensor. The rounding of the scale is <= 2^-9 relative, 16x below E4M3's
+# half-step, and the division uses the rounded scale, so dequantization is
+# consistent with it (the group max may clip by at most that amount). COAT's
+# kernels store these scales as bf16 too.
+ACTIVATION_SCALE_DTYPE = jnp.bfloat16
+
+# Multiples of 16 are what both the 1x16 groups and the FP8 GEMMs need.
+FP8_MULTIPLE = 16
+
+
+def check_precision(precision: str) -> str:
+  """Returns `precision` if it names a mode, else raises ValueError."""
+  if precision not in PRECISIONS:
+    raise ValueError(
+        f'precision={precision!r} is not a precision mode: use one of'
+        f' {PRECISIONS}.')
+  return precision
+
+
+def uses_fp8_matmuls(precision: str) -> bool:
+  """Whether linear layers run FP8 matmuls and save FP8 inputs."""
+  return check_precision(precision) != 'bf16'
+
+
+def uses_fp8_activations(precision: str) -> bool:
+  """Whether RMSNorm and SwiGLU save their inputs as FP8 1x16 groups."""
+  return check_precision(precision) == 'coat'
+
+
+def check_fp8_size(name: str, size: int, precision: str) -> None:
+  """Raises ValueError if `size` cannot be tiled by 16 in an FP8 mode.
+
+  Args:
+    name: the argument's name, for the message.
+    size: a feature size (hidden, intermediate, projection width).
+    precision: the mode; 'bf16' accepts any size.
+  """
+  if check_precision(precision) == 'bf16' or size % FP8_MULTIPLE == 0:
+    return
+  raise ValueError(
+      f'{name}={size} must be a multiple of {FP8_MULTIPLE} for'
+      f' precision={precision!r} (1x{GROUP_SIZE} FP8 groups and FP8 GEMM'
+      f' tiles); pad it to {size + (-size) % FP8_MULTIPLE} or use'
+      " precision='bf16'.")

@@ -1,0 +1,65 @@
+"""What a function keeps for its backward pass: the leaves of jax.vjp."""
+
+from collections.abc import Callable
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def saved_residuals(
+    fn: Callable[..., Any], *args
+) -> list[jax.ShapeDtypeStruct]:
+  """Arrays that `jax.vjp(fn, *args)` keeps for backward, as shapes only.
+
+  Traced abstractly (nothing is computed or allocated). Leaves that are
+  `fn`'s own arguments (params, inputs) are left out and each residual is
+  counted once.
+
+  Args:
+    fn: a pure function of arrays.
+    *args: its arguments (arrays or ShapeDtypeStructs, any pytrees).
+
+  Returns:
+    One ShapeDtypeStruct per distinct saved array.
+  """
+  def trace(*args):
+    _, vjp_fn = jax.vjp(fn, *args)
+    arg_ids = {id(a) for a in jax.tree.leaves(args)}
+    seen = set()
+    out = []
+    for leaf in jax.tree.leaves(vjp_fn):
+      if not hasattr(leaf, 'shape') or id(leaf) in arg_ids or id(leaf) in seen:
+        continue
+      seen.add(id(leaf))
+      out.append(leaf)
+    return out
+
+  return jax.eval_shape(trace, *args)
+
+
+def nbytes(residuals: list[jax.ShapeDtypeStruct]) -> int:
+  """Total bytes of a list of arrays or ShapeDtypeStructs."""
+  return sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize
+             for r in residuals)
+
+
+def activation_residuals(
+    fn: Callable[..., Any], args: tuple, args_doubled: tuple
+) -> list[jax.ShapeDtypeStruct]:
+  """The residuals of `fn(*args)` whose size grows with the batch.
+
+  `args_doubled` are the same arguments with twice the batch: residuals whose
+  shape changes are activations; those that do not (casts of weights, RoPE
+  tables, scalars) are not.
+
+  Returns:
+    The activation residuals of `fn(*args)`.
+  """
+  small = saved_residuals(fn, *args)
+  large = saved_residuals(fn, *args_doubled)
+  if len(small) != len(large):
+    raise ValueError('fn saves a different number of residuals at the two'
+                     ' batch sizes; cannot tell activations apart.')
+  return [a for a, b in zip(small, large, strict=True) if a.shape != b.shape]

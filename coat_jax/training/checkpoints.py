@@ -1,0 +1,91 @@
+"""Periodic, async orbax checkpoints of the train state, checked on restore.
+
+Each step directory holds the state and the config that wrote it. Orbax
+commits a step by renaming a finished temporary directory, so a save killed
+half way leaves the previous step loadable. Restoring compares the saved
+config (model, optimizer layout, seed) and every leaf's shape and dtype with
+what this run expects before reading anything, since orbax would cast.
+"""
+
+import dataclasses
+import os
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from coat_jax.checkpoint import check_matches
+from coat_jax.training.config import Config
+
+# Optimizer fields that decide the layout of the state.
+_OPTIM_LAYOUT = ('name', 'group_size', 'moment_dtypes', 'expansion')
+
+
+def _must_match(config: Config) -> dict:
+  optim = dataclasses.asdict(config.optim)
+  return {
+      'model': dataclasses.asdict(config.model),
+      'optim': {k: optim[k] for k in _OPTIM_LAYOUT},
+      'train.seed': config.train.seed,
+  }
+
+
+def _jsonable(x: Any) -> Any:
+  if isinstance(x, dict):
+    return {k: _jsonable(v) for k, v in x.items()}
+  if isinstance(x, tuple | list):
+    return [_jsonable(v) for v in x]
+  return x
+
+
+class Checkpointer:
+  """Saves and restores the train state under `<run_dir>/checkpoints`."""
+
+  def __init__(self, run_dir: str, config: Config):
+    self.directory = os.path.abspath(os.path.join(run_dir, 'checkpoints'))
+    self.config = config
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=config.train.keep_checkpoints, create=True,
+        enable_async_checkpointing=True)
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options, item_handlers={
+            'state': ocp.StandardCheckpointHandler(),
+            'config': ocp.JsonCheckpointHandler()})
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, *, wait: bool = False) -> None:
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        config=ocp.args.JsonSave(_jsonable(_must_match(self.config)))),
+        force=True)
+    if wait:
+      self.manager.wait_until_finished()
+
+  def restore(self, step: int, template: Any) -> Any:
+    """Restores `step` into `template` (abstract arrays with shardings).
+
+    Raises:
+      ValueError: the checkpoint was written by another model or optimizer
+        layout, or a leaf's shape or dtype differs.
+    """
+    self.manager.wait_until_finished()
+    saved = self.manager.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore()))['config']
+    wanted = _jsonable(_must_match(self.config))
+    diffs = [f'{k}: checkpoint {saved.get(k)!r}, this run {v!r}'
+             for k, v in wanted.items() if saved.get(k) != v]
+    if diffs:
+      raise ValueError(
+          f'The checkpoint at {self.directory}/{step} was written with another'
+          ' configuration:\n  ' + '\n  '.join(diffs) + '\nUse a new'
+          ' train.run_dir, or the settings that wrote it.')
+    metadata = self.manager.item_metadata(step)['state']
+    tree = getattr(metadata, 'tree', metadata)
+    check_matches(tree, template, what=f'checkpoint at step {step}')
+    return self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(template)))['state']
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()

@@ -1,0 +1,293 @@
+"""Typed training configuration, config files and command-line overrides.
+
+A config file is a Python file with `get_config() -> Config`. Overrides are
+`section.field=value` strings, parsed by the field's declared type.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import types
+import typing
+from typing import Any
+
+from coat_jax.nn.precision import PRECISIONS
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  """The model: a `LlamaConfig` preset with optional field overrides."""
+
+  preset: str = 'tiny'
+  precision: str = 'coat'  # 'bf16', 'fp8_linear' or 'coat'
+  vocab_size: int | None = None  # None: the preset's
+  hidden_size: int | None = None
+  intermediate_size: int | None = None
+  num_layers: int | None = None
+  num_heads: int | None = None
+  num_kv_heads: int | None = None
+  max_seq_len: int | None = None
+  tie_embeddings: bool | None = None
+
+
+@dataclasses.dataclass
+class OptimConfig:
+  """AdamW (COAT FP8 moments or plain optax) with warmup + cosine decay."""
+
+  name: str = 'coat_adamw'  # or 'adamw' (optax, float32 moments)
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  end_learning_rate_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+  group_size: int = 128
+  moment_dtypes: tuple[str, ...] = ('e4m3', 'e4m3')
+  expansion: bool = True
+
+
+@dataclasses.dataclass
+class DataConfig:
+  """Where tokens come from.
+
+  source: 'stdlib' (the running interpreter's standard library .py files,
+  byte-level), 'text' (files or globs in `paths`; bytes, or `tokenizer` =
+  a Hugging Face tokenizer.json) or 'tokens' (pre-tokenized `.npy` or `.bin`
+  files of `token_dtype`, memory-mapped).
+  """
+
+  source: str = 'stdlib'
+  paths: tuple[str, ...] = ()
+  tokenizer: str | None = None
+  token_dtype: str = 'uint16'
+  seq_len: int = 128
+  val_fraction: float = 0.05
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  """Device mesh sizes; -1 means all devices not used by the other axes."""
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """The loop: steps, batch, evaluation, checkpoints, faults."""
+
+  steps: int = 250
+  batch_size: int = 16
+  microbatches: int = 1
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 50
+  eval_batches: int = 4
+  checkpoint_every: int = 100  # 0: only on Ctrl-C
+  keep_checkpoints: int = 2
+  run_dir: str = 'runs/default'
+  on_nonfinite: str = 'skip'  # or 'stop'
+  progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+
+def load_config(path: str | os.PathLike | None) -> Config:
+  """Runs `get_config()` of a config file; None gives the default `Config()`."""
+  if path is None:
+    return Config()
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(
+        f'--config {path}: no such file (see configs/ for examples).')
+  spec = importlib.util.spec_from_file_location('_coat_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, 'get_config'):
+    raise ValueError(f'--config {path} must define get_config() -> Config.')
+  config = module.get_config()
+  if not isinstance(config, Config):
+    raise TypeError(f'get_config() in {path} returned {type(config).__name__};'
+                    ' it must return coat_jax.training.Config.')
+  return config
+
+
+def _parse(text: str, annotation: Any, name: str) -> Any:
+  """Parses `text` as a value of the type `annotation`."""
+  origin = typing.get_origin(annotation)
+  if origin in (typing.Union, types.UnionType):
+    args = typing.get_args(annotation)
+    if text.lower() == 'none' and type(None) in args:
+      return None
+    (inner,) = [a for a in args if a is not type(None)]
+    return _parse(text, inner, name)
+  if origin is tuple:
+    (inner, _) = typing.get_args(annotation)
+    return tuple(_parse(t, inner, name) for t in text.split(',') if t)
+  if annotation is bool:
+    if text.lower() in ('true', '1', 'yes'):
+      return True
+    if text.lower() in ('false', '0', 'no'):
+      return False
+    raise ValueError(f'{name}={text!r}: expected true or false.')
+  try:
+    return annotation(text)
+  except ValueError:
+    raise ValueError(
+        f'{name}={text!r}: expected a value of type {annotation.__name__}.'
+    ) from None
+
+
+def apply_overrides(config: Config, overrides: list[str]) -> Config:
+  """Returns a copy of `config` with `section.field=value` overrides applied.
+
+  Raises:
+    ValueError: malformed override, unknown field or unparsable value.
+  """
+  config = _deep_copy(config)
+  for item in overrides:
+    if '=' not in item:
+      raise ValueError(f'override {item!r} must look like section.field=value'
+                       ' (e.g. train.batch_size=16).')
+    dotted, text = item.split('=', 1)
+    *parents, field = dotted.split('.')
+    target = config
+    for part in parents:
+      if not dataclasses.is_dataclass(target) or not hasattr(target, part):
+        raise ValueError(f'override {dotted!r}: unknown section {part!r};'
+                         f' sections are {_field_names(Config)}.')
+      target = getattr(target, part)
+    if not dataclasses.is_dataclass(target) or field not in _field_names(
+        type(target)):
+      known = _field_names(type(target)) if dataclasses.is_dataclass(
+          target) else []
+      raise ValueError(f'override {dotted!r}: unknown field {field!r}; known'
+                       f' fields here: {known}.')
+    hints = typing.get_type_hints(type(target))
+    setattr(target, field, _parse(text, hints[field], dotted))
+  return config
+
+
+def _field_names(cls) -> list[str]:
+  return [f.name for f in dataclasses.fields(cls)]
+
+
+def _deep_copy(config: Config) -> Config:
+  return dataclasses.replace(config, **{
+      f.name: dataclasses.replace(getattr(config, f.name))
+      for f in dataclasses.fields(config)})
+
+
+def validate(config: Config, num_devices: int) -> None:
+  """Checks values and their combinations; raises ValueError naming the field.
+
+  Args:
+    config: the resolved configuration.
+    num_devices: how many devices the mesh must cover.
+  """
+  for section in dataclasses.fields(config):
+    sub = getattr(config, section.name)
+    hints = typing.get_type_hints(type(sub))
+    for f in dataclasses.fields(sub):
+      value = getattr(sub, f.name)
+      name = f'{section.name}.{f.name}'
+      if not _is_instance(value, hints[f.name]):
+        raise ValueError(f'{name}={value!r} has type {type(value).__name__};'
+                         f' expected {hints[f.name]}.')
+  m, o, d, t = config.model, config.optim, config.data, config.train
+  _one_of('model.precision', m.precision, PRECISIONS)
+  _one_of('optim.name', o.name, ('coat_adamw', 'adamw'))
+  _one_of('data.source', d.source, ('stdlib', 'text', 'tokens'))
+  _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))
+  _one_of('train.on_nonfinite', t.on_nonfinite, ('skip', 'stop'))
+  for name in ('train.steps', 'train.batch_size', 'train.microbatches',
+               'train.log_every', 'train.eval_every', 'train.eval_batches',
+               'train.keep_checkpoints',
+               'data.seq_len', 'optim.group_size'):
+    section, field = name.split('.')
+    if getattr(getattr(config, section), field) <= 0:
+      raise ValueError(f'{name} must be positive.')
+  if t.checkpoint_every < 0:
+    raise ValueError('train.checkpoint_every must be >= 0 (0: only on'
+                     ' Ctrl-C).')
+  if not 0 < d.val_fraction < 1:
+    raise ValueError(f'data.val_fraction={d.val_fraction} must be in (0, 1).')
+  if d.source != 'stdlib' and not d.paths:
+    raise ValueError(f'data.source={d.source!r} needs data.paths (files or'
+                     ' globs, comma-separated).')
+  sizes = mesh_shape(config.mesh, num_devices)
+  data_shards = sizes[0] * sizes[1]
+  if t.batch_size % t.microbatches:
+    raise ValueError(f'train.batch_size={t.batch_size} must be a multiple of'
+                     f' train.microbatches={t.microbatches}.')
+  micro = t.batch_size // t.microbatches
+  if micro % data_shards:
+    raise ValueError(
+        f'the microbatch ({t.batch_size} / {t.microbatches} = {micro}) must be'
+        f' divisible by mesh.data x mesh.fsdp = {data_shards}: change'
+        ' train.batch_size, train.microbatches or the mesh.')
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+  if value not in allowed:
+    raise ValueError(f'{name}={value!r} must be one of {allowed}.')
+
+
+def _is_instance(value: Any, annotation: Any) -> bool:
+  origin = typing.get_origin(annotation)
+  if origin in (typing.Union, types.UnionType):
+    return any(_is_instance(value, a) for a in typing.get_args(annotation))
+  if annotation is type(None):
+    return value is None
+  if origin is tuple:
+    (inner, _) = typing.get_args(annotation)
+    return isinstance(value, tuple) and all(
+        _is_instance(v, inner) for v in value)
+  if annotation is float:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+  if annotation is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  return isinstance(value, annotation)
+
+
+def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) sizes, filling the one -1 with what is left."""
+  sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+  names = ('mesh.data', 'mesh.fsdp', 'mesh.tensor')
+  for name, size in zip(names, sizes):
+    if size == 0 or size < -1:
+      raise ValueError(f'{name}={size} must be positive or -1 (fill).')
+  if sizes.count(-1) > 1:
+    raise ValueError('at most one of mesh.data, mesh.fsdp, mesh.tensor may be'
+                     ' -1.')
+  known = 1
+  for s in sizes:
+    known *= s if s != -1 else 1
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(
+          f'the mesh axes given multiply to {known}, which does not divide'
+          f' the {num_devices} devices.')
+    sizes[sizes.index(-1)] = num_devices // known
+  if sizes[0] * sizes[1] * sizes[2] != num_devices:
+    raise ValueError(
+        f'mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} ='
+        f' {sizes[0] * sizes[1] * sizes[2]} devices, but there are'
+        f' {num_devices}: set the sizes to multiply to {num_devices}'
+        ' (one may be -1 to fill).')
+  return tuple(sizes)
+
+
+def to_dict(config: Config) -> dict:
+  """A JSON-ready dict of the config."""
+  return dataclasses.asdict(config)

@@ -1,0 +1,313 @@
+"""The training loop: sharded jit steps, evaluation, checkpoints, faults."""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+
+from coat_jax import optim
+from coat_jax.models import llama
+from coat_jax.training import config as config_lib
+from coat_jax.training import data as data_lib
+from coat_jax.training import sharding
+from coat_jax.training.checkpoints import Checkpointer
+
+
+class NonFiniteError(RuntimeError):
+  """Raised with train.on_nonfinite='stop' when a step's loss or grads are not
+  finite; the state was left as it was before that step."""
+
+
+def llama_config(model: config_lib.ModelConfig) -> llama.LlamaConfig:
+  overrides = {f.name: getattr(model, f.name)
+               for f in dataclasses.fields(model)
+               if f.name not in ('preset', 'precision')
+               and getattr(model, f.name) is not None}
+  return llama.LlamaConfig.preset(model.preset, **overrides)
+
+
+def make_optimizer(config: config_lib.Config) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW (COAT FP8 or optax) on a warmup-cosine
+  schedule. Weight decay applies to matrices only (not norms)."""
+  o, t = config.optim, config.train
+  warmup = min(o.warmup_steps, t.steps - 1)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, o.learning_rate, warmup, max(t.steps, warmup + 1),
+      end_value=o.learning_rate * o.end_learning_rate_ratio)
+  mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  if o.name == 'coat_adamw':
+    adamw = optim.coat_adamw(
+        schedule, o.b1, o.b2, o.eps, o.weight_decay, mask,
+        group_size=o.group_size, moment_dtypes=tuple(o.moment_dtypes),
+        expansion=o.expansion)
+  else:
+    adamw = optax.adamw(schedule, o.b1, o.b2, o.eps,
+                        weight_decay=o.weight_decay, mask=mask)
+  return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything a run needs that is not the mutable train state."""
+
+  config: config_lib.Config
+  mesh: jax.sharding.Mesh
+  graphdef: Any
+  tx: optax.GradientTransformation
+  state_shardings: Any
+  abstract_state: Any
+  init_state: Any  # () -> state, placed with the state shardings.
+  train_step: Any
+  eval_step: Any
+
+
+def build(config: config_lib.Config, devices=None) -> Setup:
+  """Builds the mesh, model, optimizer and jitted steps for `config`."""
+  devices = jax.devices() if devices is None else devices
+  config_lib.validate(config, len(devices))
+  mesh = sharding.make_mesh(
+      config_lib.mesh_shape(config.mesh, len(devices)), devices)
+  model_cfg = llama_config(config.model)
+  precision = config.model.precision
+
+  def make_model():
+    # Placement comes from this module's fitted rules (the jit's
+    # out_shardings), not from eager sharding by the logical names.
+    with nnx.use_eager_sharding(False):
+      return llama.Llama(model_cfg, precision=precision,
+                         rngs=nnx.Rngs(config.train.seed))
+
+  abstract_model = nnx.eval_shape(make_model)
+  graphdef, _ = nnx.split(abstract_model)
+  names = {path: v.get_metadata().get('out_sharding') for path, v in
+           nnx.to_flat_state(nnx.state(abstract_model, nnx.Param))}
+  tx = make_optimizer(config)
+
+  def init_state():
+    params = nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
+    return {'params': params, 'opt_state': tx.init(params),
+            'step': jnp.zeros((), jnp.int32),
+            'nonfinite': jnp.zeros((), jnp.int32)}
+
+  abstract_state = jax.eval_shape(init_state)
+  group = (config.optim.group_size if config.optim.name == 'coat_adamw'
+           else None)
+  axis_names = jax.tree_util.tree_map_with_path(
+      lambda path, _: names[tuple(_key(k) for k in path)],
+      abstract_state['params'])
+  p_specs = sharding.param_specs(abstract_state['params'], axis_names, mesh,
+                                 group)
+  specs = {'params': p_specs,
+           'opt_state': sharding.state_specs(abstract_state['opt_state'],
+                                             p_specs),
+           'step': jax.sharding.PartitionSpec(),
+           'nonfinite': jax.sharding.PartitionSpec()}
+  state_shardings = sharding.named(mesh, specs, abstract_state)
+  batch_sharding = sharding.batch_sharding(mesh)
+  micro_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, None))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def loss_fn(params, inputs, targets):
+    return llama.lm_loss(nnx.merge(graphdef, params), inputs, targets)
+
+  def train_step(state, inputs, targets):
+    params = state['params']
+    n = config.train.microbatches
+    if n == 1:
+      loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+    else:
+      split = lambda x: jax.lax.with_sharding_constraint(
+          x.reshape((n, x.shape[0] // n) + x.shape[1:]), micro_sharding)
+
+      def accumulate(carry, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+      zero = (jnp.zeros((), jnp.float32),
+              jax.tree.map(jnp.zeros_like, params))
+      (loss, grads), _ = jax.lax.scan(accumulate, zero,
+                                      (split(inputs), split(targets)))
+      loss, grads = jax.tree.map(lambda x: x / n, (loss, grads))
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state['opt_state'], params)
+    new_params = optax.apply_updates(params, updates)
+    # A non-finite step changes nothing but the step and the fault count.
+    keep = lambda new, old: jax.tree.map(
+        lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = {
+        'params': keep(new_params, params),
+        'opt_state': keep(opt_state, state['opt_state']),
+        'step': state['step'] + 1,
+        'nonfinite': state['nonfinite'] + (~finite).astype(jnp.int32),
+    }
+    return new_state, {'loss': loss, 'grad_norm': grad_norm,
+                       'finite': finite}
+
+  def eval_step(params, inputs, targets):
+    return loss_fn(params, inputs, targets)
+
+  return Setup(
+      config=config, mesh=mesh, graphdef=graphdef, tx=tx,
+      state_shardings=state_shardings, abstract_state=abstract_state,
+      init_state=functools.partial(_init_placed, make_model, tx,
+                                   state_shardings),
+      train_step=jax.jit(
+          train_step, in_shardings=(state_shardings, batch_sharding,
+                                    batch_sharding),
+          out_shardings=(state_shardings, replicated), donate_argnums=0),
+      eval_step=jax.jit(
+          eval_step, in_shardings=(state_shardings['params'], batch_sharding,
+                                   batch_sharding),
+          out_shardings=replicated),
+  )
+
+
+def _init_placed(make_model, tx, shardings) -> dict:
+  """A fresh state on its shardings.
+
+  The params are initialized eagerly and then placed: jit-compiling the
+  initializers of a 1B model took over 2 minutes on an H100 (RESULTS.md).
+  """
+  params = jax.device_put(
+      nnx.to_pure_dict(nnx.state(make_model(), nnx.Param)),
+      shardings['params'])
+  return {'params': params,
+          'opt_state': jax.jit(tx.init, out_shardings=shardings['opt_state'])(
+              params),
+          'step': jax.device_put(jnp.zeros((), jnp.int32), shardings['step']),
+          'nonfinite': jax.device_put(jnp.zeros((), jnp.int32),
+                                      shardings['nonfinite'])}
+
+
+def _key(k: Any) -> Any:
+  return getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))
+
+
+def device_batch(batch: np.ndarray, sharding_: jax.sharding.Sharding):
+  """A global array from a host batch every process computes identically."""
+  return jax.make_array_from_callback(batch.shape, sharding_,
+                                      lambda idx: batch[idx])
+
+
+def state_is_finite(state: Any) -> bool:
+  leaves = [x for x in jax.tree.leaves(state['params'])]
+  return bool(all(jnp.all(jnp.isfinite(x)) for x in leaves))
+
+
+def _peak_memory() -> int | None:
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get('peak_bytes_in_use')
+
+
+def train(config: config_lib.Config, devices=None) -> dict:
+  """Trains (or resumes) per `config`; returns the final summary.
+
+  Writes `<run_dir>/config.json`, `<run_dir>/metrics.jsonl` and checkpoints
+  under `<run_dir>/checkpoints`. Ctrl-C saves a checkpoint and returns with
+  `summary['interrupted'] = True`.
+  """
+  setup = build(config, devices)
+  t = config.train
+  dataset = data_lib.load_dataset(config.data,
+                                  llama_config(config.model).vocab_size)
+  os.makedirs(t.run_dir, exist_ok=True)
+  lead = jax.process_index() == 0
+  if lead:
+    with open(os.path.join(t.run_dir, 'config.json'), 'w') as f:
+      json.dump(config_lib.to_dict(config), f, indent=2)
+  checkpointer = Checkpointer(t.run_dir, config)
+  resumed_from = checkpointer.latest_step()
+  with jax.set_mesh(setup.mesh):
+    if resumed_from is None:
+      state = setup.init_state()
+    else:
+      template = jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          setup.abstract_state, setup.state_shardings)
+      state = checkpointer.restore(resumed_from, template)
+    batch_sharding = sharding.batch_sharding(setup.mesh)
+    seq, bs = config.data.seq_len, t.batch_size
+
+    def batch(split, index):
+      x, y = dataset.batch(split, t.seed, index, bs, seq)
+      return device_batch(x, batch_sharding), device_batch(y, batch_sharding)
+
+    def evaluate():
+      losses = [setup.eval_step(state['params'], *batch('val', i))
+                for i in range(t.eval_batches)]
+      return float(np.mean(jax.device_get(losses)))
+
+    log = open(os.path.join(t.run_dir, 'metrics.jsonl'), 'a')
+    step = int(state['step'])
+    bar = tqdm.tqdm(total=t.steps, initial=step, disable=not (
+        lead and t.progress_bar), dynamic_ncols=True, desc='train')
+    summary = {'resumed_from': resumed_from, 'interrupted': False,
+               'train_loss': math.nan, 'val_loss': math.nan,
+               'tokens_per_s': math.nan}
+    recent, tick, tick_step = [], time.perf_counter(), step
+    try:
+      while step < t.steps:
+        state, metrics = setup.train_step(state, *batch('train', step))
+        step += 1
+        bar.update(1)
+        if step % t.log_every == 0 or step == t.steps:
+          metrics = jax.device_get(metrics)
+          now = time.perf_counter()
+          tok_s = (step - tick_step) * bs * seq / (now - tick)
+          tick, tick_step = now, step
+          recent.append(float(metrics['loss']))
+          record = {'step': step, 'loss': float(metrics['loss']),
+                    'grad_norm': float(metrics['grad_norm']),
+                    'tokens_per_s': tok_s,
+                    'nonfinite_steps': int(state['nonfinite'])}
+          log.write(json.dumps(record) + '\n')
+          log.flush()
+          bar.set_postfix(loss=f'{record["loss"]:.3f}',
+                          tok_s=f'{tok_s:,.0f}')
+          summary['tokens_per_s'] = tok_s
+          if not metrics['finite'] and t.on_nonfinite == 'stop':
+            raise NonFiniteError(
+                f'step {step}: loss or gradients are not finite; the state is'
+                ' the one before this step (train.on_nonfinite=stop).')
+        if step % t.eval_every == 0 or step == t.steps:
+          val = evaluate()
+          summary['val_loss'] = val
+          log.write(json.dumps({'step': step, 'val_loss': val}) + '\n')
+          log.flush()
+          bar.write(f'step {step}: validation loss {val:.4f}')
+        if t.checkpoint_every and (step % t.checkpoint_every == 0
+                                   or step == t.steps):
+          _save(checkpointer, step, state)
+    except KeyboardInterrupt:
+      summary['interrupted'] = True
+      _save(checkpointer, int(state['step']), state, wait=True)
+      bar.write(f'interrupted: saved step {int(state["step"])} to'
+                f' {checkpointer.directory}; run the same command to resume.')
+    finally:
+      bar.close()
+      log.close()
+      checkpointer.close()
+  summary.update(
+      step=int(state['step']), nonfinite_steps=int(state['nonfinite']),
+      train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
+      peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir))
+  return summary
+
+
+def _save(checkpointer: Checkpointer, step: int, state: Any, *,
+          wait: bool = False) -> None:
+  if not state_is_finite(state):  # Never persist a poisoned state.
+    raise NonFiniteError(f'step {step}: params are not finite; not saving.')
+  checkpointer.save(step, state, wait=wait)

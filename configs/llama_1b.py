@@ -1,0 +1,18 @@
+"""A 1B Llama (TinyLlama shape) in coat mode (one or more GPUs)."""
+
+from coat_jax.training import Config
+from coat_jax.training import DataConfig
+from coat_jax.training import ModelConfig
+from coat_jax.training import OptimConfig
+from coat_jax.training import TrainConfig
+
+
+def get_config() -> Config:
+  return Config(
+      model=ModelConfig(preset='1b', precision='coat'),
+      optim=OptimConfig(learning_rate=3e-4, warmup_steps=50),
+      data=DataConfig(seq_len=2048),
+      train=TrainConfig(steps=300, batch_size=8, eval_every=100,
+                        checkpoint_every=1000, log_every=10,
+                        run_dir='runs/llama_1b'),
+  )

@@ -1,0 +1,14 @@
+"""Pallas kernels for coat-jax: FP8 quantization and the fused COAT step.
+
+Each op is a subpackage with `api.py` (the public function, `implementation=`
+None | 'xla' | 'pallas'), `reference.py` (pure jnp: the 'xla' path and the
+oracle) and its Pallas backend, e.g.
+`pallas_kernels.coat_adam_step.coat_adam_step(...)`. `fp8_matmul` is not
+imported here: import it where needed.
+"""
+
+from pallas_kernels import coat_adam_step
+from pallas_kernels import quantize_per_group
+from pallas_kernels import quantize_per_tensor
+
+__all__ = ['coat_adam_step', 'quantize_per_group', 'quantize_per_tensor']

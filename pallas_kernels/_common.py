@@ -1,0 +1,219 @@
+"""Shared pieces of the kernels: FP8 formats, exact float ops, dispatch.
+
+Pure jnp where possible. The `Ops` bundle holds the three operations whose
+lowering may differ between XLA and Pallas-Triton (division, square root, a
+max that must not drop NaN): the references use `XLA_OPS`, the GPU kernels
+`TRITON_OPS`, and the same group math runs in both, so that a kernel rounds
+like its reference.
+"""
+
+from collections.abc import Callable
+import dataclasses
+import functools
+import math
+from typing import Any
+import warnings
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+  pl = None
+  pltriton = None
+
+# jax >= 0.11 warns that Pallas' Triton lowering is deprecated. These kernels
+# use it on purpose (DESIGN section 5); silence only that message.
+warnings.filterwarnings(
+    'ignore', message=r'.*Triton (backend|lowering).*deprecated.*')
+
+FORMATS = {
+    'e4m3': np.dtype(jnp.float8_e4m3fn),
+    'e5m2': np.dtype(jnp.float8_e5m2),
+}
+IMPLEMENTATIONS = (None, 'xla', 'pallas')
+
+
+def fp8_dtype(dtype: Any, argname: str = 'dtype') -> np.dtype:
+  """The numpy dtype of an FP8 format given by name ('e4m3', 'e5m2') or dtype.
+
+  Raises:
+    ValueError: for anything else.
+  """
+  if isinstance(dtype, str) and dtype in FORMATS:
+    return FORMATS[dtype]
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt is not None and dt in FORMATS.values():
+    return dt
+  raise ValueError(
+      f'{argname}={dtype!r} is not an FP8 format: use one of'
+      f' {sorted(FORMATS)} (or jnp.float8_e4m3fn / jnp.float8_e5m2).')
+
+
+def fp8_max(dtype: Any) -> float:
+  """Largest finite value: 448 for E4M3, 57344 for E5M2."""
+  return float(jnp.finfo(fp8_dtype(dtype)).max)
+
+
+def saturate(x: jax.Array, dtype: Any) -> jax.Array:
+  """Clips float32 `x` to +-fp8_max, then casts (round to nearest even).
+
+  Equal to `jnp.clip(x, -m, m).astype(dtype)` on every input (NaN stays NaN,
+  -0 stays -0), written with selects because Triton lowers min/max to
+  NaN-dropping `minnumf`/`maxnumf`.
+  """
+  dt = fp8_dtype(dtype)
+  m = fp8_max(dt)
+  x = jnp.where(x > m, m, x)
+  x = jnp.where(x < -m, -m, x)
+  return x.astype(dt)
+
+
+def clip(x: jax.Array, lo: float, hi: float) -> jax.Array:
+  """`jnp.clip` with NaN propagated on every backend."""
+  x = jnp.where(x < lo, lo, x)
+  return jnp.where(x > hi, hi, x)
+
+
+def with_sign_of(a: jax.Array, x: jax.Array) -> jax.Array:
+  """`sign(x) * a` for `a >= 0` or NaN: -0.0 gives -0 too. x is float32."""
+  negative = lax.bitcast_convert_type(x, jnp.int32) < 0
+  return jnp.where(negative, -a, a)
+
+
+def nan_max(x: jax.Array, axis: int) -> jax.Array:
+  """Max over `axis` of x >= 0 with NaN counted as +inf, in one reduction.
+
+  Triton's max drops NaN. As +inf, a NaN still makes the amax non-finite, so
+  the scale is NaN exactly as in the reference; only the exponent of such a
+  group (meaningless: it decodes to NaN) may differ from XLA's.
+  """
+  return jnp.max(jnp.where(x != x, jnp.inf, x), axis=axis)
+
+
+def _asm(instruction: str, *args: jax.Array) -> jax.Array:
+  args = jnp.broadcast_arrays(*[jnp.asarray(a, jnp.float32) for a in args])
+  constraints = '=f' + ',f' * len(args)
+  (out,) = pltriton.elementwise_inline_asm(
+      instruction, args=args, constraints=constraints, pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+  """The float32 operations whose lowering differs between backends.
+
+  Attributes:
+    div: IEEE division, correctly rounded.
+    sqrt: IEEE square root, correctly rounded.
+    max: max over an axis of non-negative values, non-finite if any is NaN.
+  """
+
+  div: Callable[[Any, Any], jax.Array]
+  sqrt: Callable[[Any], jax.Array]
+  max: Callable[[jax.Array, int], jax.Array]
+
+
+# The references run XLA's own ops. On the GPU, XLA's float32 division and
+# sqrt are not correctly rounded (seen on an H200, jax 0.11.2: 29% of
+# quotients and 17% of roots differ from IEEE), and neither are its log/exp.
+XLA_OPS = Ops(
+    div=jnp.divide, sqrt=jnp.sqrt, max=lambda x, axis: jnp.max(x, axis))
+# Triton's own lowering (div.full.f32, libdevice sqrt/log/exp) reproduced
+# XLA's results bit for bit there (quantize and dequantize with expansion:
+# 0 of 8.4M elements differ), so the GPU kernels use it.
+TRITON_OPS = Ops(div=lax.div, sqrt=jnp.sqrt, max=nan_max)
+# Correctly rounded PTX instructions instead: IEEE results, but 14% of a
+# dequantize's outputs then differ from XLA's in the last bits.
+TRITON_IEEE_OPS = Ops(
+    div=lambda a, b: _asm('div.rn.f32 $0, $1, $2;', a, b),
+    sqrt=lambda a: _asm('sqrt.rn.f32 $0, $1;', a),
+    max=nan_max,
+)
+# Interpreted kernels run as XLA on the host, with max written like Triton's.
+INTERPRET_OPS = dataclasses.replace(XLA_OPS, max=nan_max)
+
+
+def kernel_ops(interpret: bool) -> Ops:
+  if interpret:
+    return INTERPRET_OPS
+  return TRITON_IEEE_OPS if USE_IEEE_OPS else TRITON_OPS
+
+
+# Set to True (before tracing) for the correctly rounded variant.
+USE_IEEE_OPS = False
+
+
+@functools.cache
+def _gpu_supports_pallas() -> bool:
+  """Whether the default backend is one GPU with FP8 (Hopper or newer)."""
+  if jax.default_backend() != 'gpu' or pltriton is None:
+    return False
+  devices = jax.devices()
+  if len(devices) != 1:
+    # pallas_call has no partitioning rule: under a multi-device jit it would
+    # be replicated. Call with implementation='pallas' inside shard_map.
+    return False
+  cc = getattr(devices[0], 'compute_capability', '0')
+  try:
+    return float(cc) >= 9.0
+  except ValueError:
+    return False
+
+
+def resolve_implementation(
+    implementation: str | None, pallas_default: bool = True
+) -> tuple[str, bool]:
+  """Picks the backend: returns ('xla' | 'pallas', interpret).
+
+  Args:
+    implementation: None (fastest available: Pallas on one Hopper GPU when
+      `pallas_default`, else XLA), 'xla', or 'pallas' (compiled on a GPU,
+      interpreted elsewhere, e.g. on CPU for tests).
+    pallas_default: whether Pallas is the measured winner for this op.
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f'implementation={implementation!r} must be one of {IMPLEMENTATIONS}:'
+        ' None picks the fastest available.')
+  if implementation is None:
+    use = pallas_default and _gpu_supports_pallas()
+    return ('pallas', False) if use else ('xla', False)
+  if implementation == 'xla':
+    return 'xla', False
+  if pl is None:
+    raise ValueError('implementation="pallas" needs jax.experimental.pallas.')
+  return 'pallas', jax.default_backend() != 'gpu'
+
+
+def compiler_params(num_warps: int, num_stages: int):
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+  """(rows, cols) of the 2-D view that keeps the last axis: () -> (1, 1)."""
+  if not shape:
+    return 1, 1
+  return math.prod(shape[:-1]), shape[-1]
+
+
+def tile_mask(
+    pid_rows: jax.Array, pid_cols: jax.Array, block: tuple[int, int],
+    bound: tuple[int, int]
+) -> jax.Array:
+  """Which elements of the (rows, cols) tile at the given block lie inside."""
+  r = pid_rows * block[0] + lax.broadcasted_iota(jnp.int32, block, 0)
+  c = pid_cols * block[1] + lax.broadcasted_iota(jnp.int32, block, 1)
+  return (r < bound[0]) & (c < bound[1])

@@ -1,0 +1,100 @@
+"""The fused COAT AdamW step for one leaf: public entry."""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _common
+from pallas_kernels.coat_adam_step import reference
+from pallas_kernels.coat_adam_step.reference import Moment
+
+# Measured on H100 (benchmarks/RESULTS.md).
+PALLAS_IS_DEFAULT = True
+
+
+def _fields(q: Any, name: str) -> Moment:
+  try:
+    return Moment(q.values, q.scale, q.exponent)
+  except AttributeError:
+    raise TypeError(
+        f'{name} must have fields values, scale, exponent (a'
+        f' coat_jax.QuantizedArray or a {__name__}.Moment), got'
+        f' {type(q).__name__}.') from None
+
+
+def _rebuild(like: Any, new: Moment) -> Any:
+  if dataclasses.is_dataclass(like):
+    return dataclasses.replace(
+        like, values=new.values, scale=new.scale, exponent=new.exponent)
+  return type(like)(*new) if isinstance(like, tuple) else new
+
+
+def coat_adam_step(
+    param: jax.Array, grad: jax.Array, mu: Any, nu: Any, count: jax.Array,
+    *, learning_rate: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
+    weight_decay: Any = None, group_size: int = 128, expansion: bool = True,
+    implementation: str | None = None
+) -> tuple[jax.Array, Any, Any]:
+  """One COAT AdamW step on one leaf: new (param, mu, nu), in one pass.
+
+  Same arithmetic and rounding as `coat_jax.coat_adamw` followed by
+  `optax.apply_updates` (see `reference`). The Pallas kernel updates param
+  and moments in place: under `jax.jit` donate them, or XLA copies them first.
+
+  Args:
+    param: float32 array of any shape (other dtypes use the XLA path).
+    grad: floating array of param's shape.
+    mu, nu: the FP8 moments (a `coat_jax.QuantizedArray` or a `Moment`):
+      values FP8 of param's shape, scale float32 or bfloat16 and exponent
+      float32 (or None without expansion) of shape
+      shape[:-1] + (ceil(n / group_size),). Returned as the same type.
+    count: int32 scalar, the step number including this step (1 first).
+    learning_rate: this step's learning rate (a float or scalar array).
+    b1, b2, eps: Adam constants.
+    weight_decay: decoupled weight decay, or None (or 0.0) for none (masked
+      leaves).
+    group_size: the moments' group size (static).
+    expansion: whether the moments use dynamic range expansion (static).
+    implementation: None (fastest available), 'xla' or 'pallas'.
+
+  Returns:
+    (new_param, new_mu, new_nu).
+  """
+  m, v = _fields(mu, 'mu'), _fields(nu, 'nu')
+  param = jnp.asarray(param)
+  grad = jnp.asarray(grad)
+  if grad.shape != param.shape:
+    raise ValueError(
+        f'grad has shape {grad.shape} but param has shape {param.shape}.')
+  if not jnp.issubdtype(grad.dtype, jnp.floating):
+    raise TypeError(f'grad has dtype {grad.dtype}; it must be floating.')
+  for name, q in (('mu', m), ('nu', v)):
+    _common.fp8_dtype(q.values.dtype, f'{name}.values.dtype')
+    if q.values.shape != param.shape:
+      raise ValueError(
+          f'{name}.values has shape {q.values.shape}, param {param.shape}.')
+    if (q.exponent is None) == expansion:
+      raise ValueError(
+          f'{name}.exponent must be {"set" if expansion else "None"} with'
+          f' expansion={expansion}.')
+  impl, interpret = _common.resolve_implementation(
+      implementation, PALLAS_IS_DEFAULT)
+  fusable = (param.dtype == np.float32 and group_size >= 2
+             and group_size & (group_size - 1) == 0)
+  if impl == 'pallas' and fusable:
+    from pallas_kernels.coat_adam_step import pallas_triton
+    hp = reference.hyperparams(
+        count, learning_rate, b1, b2, eps, weight_decay)
+    p, m2, v2 = pallas_triton.coat_adam_step(
+        param, grad, m, v, hp, group_size=group_size, expansion=expansion,
+        apply_weight_decay=not reference._no_decay(weight_decay),
+        interpret=interpret)
+  else:
+    p, m2, v2 = reference.coat_adam_step(
+        param, grad, m, v, count, learning_rate=learning_rate, b1=b1, b2=b2,
+        eps=eps, weight_decay=weight_decay, group_size=group_size,
+        expansion=expansion)
+  return p, _rebuild(mu, m2), _rebuild(nu, v2)

@@ -1,0 +1,163 @@
+"""The fused COAT AdamW step as one Pallas kernel (Triton lowering).
+
+One pass per leaf: each program reads a (block_rows, block_cols) tile of the
+param, the gradient and the FP8 codes of m and v with their per-group scale
+and exponent, and writes the new param, codes and metadata in place
+(`input_output_aliases`: under `jax.jit` with donated state nothing is
+copied). block_cols is a multiple of the group size, so a tile holds whole
+groups. The arithmetic is `reference.update` and the group math of
+`quantize_per_group.reference`, with correctly rounded division and sqrt.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _common
+from pallas_kernels._common import pl
+from pallas_kernels._common import pltriton
+from pallas_kernels.coat_adam_step import reference
+from pallas_kernels.quantize_per_group import reference as group_reference
+
+_HP_NAMES = ('c1', 'b1', 'c2', 'b2', 'bc1', 'bc2', 'eps', 'wd', 'neg_lr')
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Static tiling (powers of two). None picks a size from the shape.
+
+  Attributes:
+    block_rows: rows of a tile.
+    block_cols: columns of a tile, a multiple of the group size.
+    num_warps: warps per program.
+    target: elements per tile when the sizes are picked from the shape.
+  """
+
+  block_rows: int | None = None
+  block_cols: int | None = None
+  num_warps: int = 4
+  target: int = 1024
+
+  def resolve(self, rows: int, cols: int, group_size: int) -> tuple[int, int]:
+    bc = self.block_cols or min(
+        max(group_size, _common.next_pow2(cols)),
+        max(group_size, self.target))
+    br = self.block_rows or min(
+        _common.next_pow2(rows), max(1, self.target // bc))
+    if bc % group_size or bc & (bc - 1) or br & (br - 1):
+      raise ValueError(
+          f'block sizes ({br}, {bc}) must be powers of two and block_cols a'
+          f' multiple of group_size={group_size}.')
+    return br, bc
+
+
+def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
+            apply_weight_decay, mu_meta, nu_meta, ops):
+  n_in = 2 + 2 * (3 if expansion else 2)
+  ins, outs = refs[:n_in], refs[n_in:]
+  p_ref, g_ref = ins[:2]
+  k = 3 if expansion else 2
+  mu_in, nu_in = ins[2:2 + k], ins[2 + k:]
+  p_out, mu_out, nu_out = outs[0], outs[1:1 + k], outs[1 + k:]
+  pid = pl.program_id(0)
+  i, j = pid // ncb, pid % ncb
+  br, bc = p_ref.shape
+  ng = bc // group_size
+  mask = _common.tile_mask(i, j, (br, bc), (rows, cols))
+  gmask = _common.tile_mask(
+      i, j, (br, ng), (rows, pl.cdiv(cols, group_size)))
+  hp = {name: hp_ref[n] for n, name in enumerate(_HP_NAMES)}
+
+  def load(ref, m, fill):
+    return jnp.where(m, pltriton.load(ref, mask=m).astype(jnp.float32), fill)
+
+  def decode(q_refs, fp8_max):
+    codes = load(q_refs[0], mask, 0.0).reshape(br, ng, group_size)
+    scale = load(q_refs[1], gmask, 1.0)
+    exponent = load(q_refs[2], gmask, 1.0) if expansion else None
+    out = group_reference.decode_groups(codes, scale, exponent, fp8_max, ops)
+    return out.reshape(br, bc)
+
+  def encode(x, q_refs, meta):
+    dtype, scale_dtype = meta
+    values, scale, exponent = group_reference.encode_groups(
+        jnp.where(mask, x, 0.0).reshape(br, ng, group_size), dtype,
+        expansion, scale_dtype, ops)
+    pltriton.store(q_refs[0], values.reshape(br, bc), mask=mask)
+    pltriton.store(q_refs[1], scale, mask=gmask)
+    if expansion:
+      pltriton.store(q_refs[2], exponent, mask=gmask)
+
+  p = load(p_ref, mask, 0.0)
+  g = load(g_ref, mask, 0.0)
+  m = decode(mu_in, _common.fp8_max(mu_meta[0]))
+  v = decode(nu_in, _common.fp8_max(nu_meta[0]))
+  p, m, v = reference.update(p, g, m, v, hp, apply_weight_decay, ops)
+  pltriton.store(p_out, p.astype(p_out.dtype), mask=mask)
+  encode(m, mu_out, mu_meta)
+  encode(v, nu_out, nu_meta)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=('group_size', 'expansion', 'apply_weight_decay',
+                     'block_sizes', 'interpret'))
+def coat_adam_step(
+    param: jax.Array, grad: jax.Array, mu: reference.Moment,
+    nu: reference.Moment, hp: dict[str, jax.Array], *, group_size: int,
+    expansion: bool, apply_weight_decay: bool,
+    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
+) -> tuple[jax.Array, reference.Moment, reference.Moment]:
+  """Pallas version of `reference.coat_adam_step` given its hyperparams."""
+  shape = param.shape
+  rows, cols = _common.as_2d(shape)
+  ngt = pl.cdiv(cols, group_size)
+  br, bc = block_sizes.resolve(rows, cols, group_size)
+  ncb = pl.cdiv(cols, bc)
+  grid = (pl.cdiv(rows, br) * ncb,)
+  index = lambda p: (p // ncb, p % ncb)
+  tile = pl.BlockSpec((br, bc), index)
+  gtile = pl.BlockSpec((br, bc // group_size), index)
+
+  def flat(q):
+    leaves = [q.values.reshape(rows, cols), q.scale.reshape(rows, ngt)]
+    if expansion:
+      leaves.append(q.exponent.reshape(rows, ngt))
+    return leaves
+
+  args = [param.reshape(rows, cols), grad.reshape(rows, cols),
+          *flat(mu), *flat(nu)]
+  moment_specs = [tile, gtile] + ([gtile] if expansion else [])
+  in_specs = [tile, tile, *moment_specs, *moment_specs]
+  hp_vec = jnp.stack([hp[n] for n in _HP_NAMES]
+                     + [jnp.float32(0)] * (16 - len(_HP_NAMES)))
+  kernel = functools.partial(
+      _kernel, rows=rows, cols=cols, ncb=ncb, group_size=group_size,
+      expansion=expansion, apply_weight_decay=apply_weight_decay,
+      mu_meta=(mu.values.dtype, mu.scale.dtype),
+      nu_meta=(nu.values.dtype, nu.scale.dtype),
+      ops=_common.kernel_ops(interpret))
+  outs = pl.pallas_call(
+      kernel, grid=grid,
+      in_specs=[pl.BlockSpec((16,), lambda p: (0,)), *in_specs],
+      out_specs=[tile, *moment_specs, *moment_specs],
+      out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype)
+                 for a in [args[0], *args[2:]]],
+      # Operand 0 is hp; params and moments are updated in place.
+      input_output_aliases={1: 0, **{3 + n: 1 + n
+                                     for n in range(len(args) - 2)}},
+      interpret=interpret,
+      compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
+      name='coat_adam_step',
+  )(hp_vec, *args)
+  k = len(moment_specs)
+  sshape = group_reference.scale_shape(shape, group_size)
+
+  def unflat(leaves):
+    return reference.Moment(
+        leaves[0].reshape(shape), leaves[1].reshape(sshape),
+        leaves[2].reshape(sshape) if expansion else None)
+
+  return outs[0].reshape(shape), unflat(outs[1:1 + k]), unflat(outs[1 + k:])

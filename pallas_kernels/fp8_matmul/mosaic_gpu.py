@@ -1,0 +1,337 @@
+"""FP8 matmul for Hopper GPUs in Pallas Mosaic GPU (wgmma, TMA).
+
+out = (a @ b.T) * scale with a (M, K) and b (N, K), both K-major FP8.
+
+The kernel is persistent (one CTA per SM, or per cluster) and warp
+specialized: one memory warpgroup streams (block_m, block_k) tiles of A and
+(block_n, block_k) tiles of B into shared memory with TMA, two compute
+warpgroups each own block_m // 2 rows of the output tile and issue wgmma.
+B stays (N, K) in shared memory with an (8, 128) tiling and a 128-byte
+swizzle and is fed to wgmma as ``b_smem.T``, which FP8 wgmma accepts since
+K is the fastest dimension of both operands.
+
+Hopper's FP8 tensor cores add partial products with reduced precision. With
+``promote=True`` (the default) every ``block_k // split_k`` (default 128)
+elements of K run into a fresh wgmma accumulator that is then added to an
+FP32 accumulator in registers, as CUTLASS and DeepGEMM do. On an H100 this
+gave the same error as cuBLASLt's precise mode (see NOTES.md).
+``promote=False`` keeps one wgmma accumulator for all of K (like cuBLASLt
+fast accumulation).
+
+Runs on Hopper GPUs (tested with jax 0.11.2); imports anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+try:  # Mosaic GPU is in jax >= 0.6; keep the module importable without it.
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+  pl = None
+  plgpu = None
+
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+_SMEM_BUDGET = 226 * 1024  # bytes of the 227 KiB a CTA may use
+_MEMORY_REGISTERS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiling of the kernel.
+
+  Attributes:
+    block_m: rows of the output tile of one CTA (two compute warpgroups,
+      block_m // 2 rows each; a multiple of 128).
+    block_n: columns of the output tile (multiple of 8, <= 256).
+    block_k: K per pipeline step (multiple of 128 bytes of input).
+    max_stages: most shared-memory pipeline stages (fewer if they do not fit).
+    promote: add each step's wgmma result to an FP32 register accumulator.
+    split_k: with promote, split a step's K into this many wgmmas, each into
+      its own accumulator, so that adding one overlaps the next wgmma; the
+      promotion interval is then block_k // split_k.
+    cluster_m: 1, or 2 to pair CTAs along M and multicast their B tile.
+    grid_minor_m: walk the tile grid with M as the minor dimension.
+    grid_tile_width: width of the snake-order bands of the tile walk.
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 256
+  max_stages: int = 4
+  promote: bool = True
+  split_k: int = 2
+  cluster_m: int = 1
+  grid_minor_m: bool = True
+  grid_tile_width: int = 8
+
+  def validate(self, itemsize: int):
+    if self.block_m % 128:
+      raise ValueError(f'block_m={self.block_m} must be a multiple of 128.')
+    if self.block_n % 8 or not 8 <= self.block_n <= 256:
+      raise ValueError(f'block_n={self.block_n} must be 8..256, multiple of 8.')
+    if (self.block_k * itemsize) % 128:
+      raise ValueError(f'block_k={self.block_k} must span a multiple of 128 B.')
+    if self.cluster_m not in (1, 2):
+      raise ValueError(f'cluster_m={self.cluster_m} must be 1 or 2.')
+    if self.block_k % self.split_k or (
+        (self.block_k // self.split_k * itemsize) % 128):
+      raise ValueError('block_k / split_k must span a multiple of 128 B.')
+    if self.split_k > 1 and not self.promote:
+      raise ValueError('split_k > 1 needs promote=True.')
+    wg_regs = (self.block_m // 2) * self.block_n // 128
+    n_acc = 1 + self.split_k if self.promote else 1
+    if wg_regs * n_acc > 200:
+      raise ValueError(
+          f'{self} needs {wg_regs * n_acc} accumulator registers per thread;'
+          ' at most 200 fit.')
+
+
+DEFAULT_CONFIG = Config()
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _num_sms() -> int:
+  try:
+    return jax.devices()[0].core_count
+  except Exception:  # pylint: disable=broad-except
+    return 132
+
+
+def _transforms(dtype, minor_elems: int):
+  """(8, swizzle) tiling + swizzle for a tile whose minor dim is given."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = 128
+  while (minor_elems * itemsize) % swizzle:
+    swizzle //= 2
+  if swizzle < 32:
+    raise ValueError(f'tile minor dim {minor_elems} too small to swizzle.')
+  return (
+      plgpu.TilingTransform((8, swizzle // itemsize)),
+      plgpu.SwizzleTransform(swizzle),
+  )
+
+
+def _epilogue_n(cfg: Config, out_itemsize: int, limit: int) -> int:
+  """Columns stored per epilogue chunk: at most `limit` bytes of SMEM."""
+  epi_n = cfg.block_n
+  while cfg.block_m * epi_n * out_itemsize > limit and epi_n % 16 == 0:
+    epi_n //= 2
+  return epi_n
+
+
+def _plan_smem(cfg: Config, in_itemsize: int,
+               out_itemsize: int) -> tuple[int, int]:
+  """(pipeline stages, epilogue columns) that fit shared memory."""
+  per_stage = (cfg.block_m + cfg.block_n) * cfg.block_k * in_itemsize
+  best = None
+  for limit in (32 * 1024, 16 * 1024):
+    epi_n = _epilogue_n(cfg, out_itemsize, limit)
+    out_bytes = cfg.block_m * epi_n * out_itemsize
+    stages = min(cfg.max_stages, (_SMEM_BUDGET - out_bytes) // per_stage)
+    if best is None or stages > best[0]:
+      best = (stages, epi_n)
+  if best[0] < 2:
+    raise ValueError(f'{cfg} does not fit shared memory with 2 stages.')
+  return best
+
+
+def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
+            m_iters: int, n_iters: int, k_iters: int, stages: int):
+  """Kernel body: a (M, K), b (N, K), s (1,) f32 in GMEM; out (M, N)."""
+  in_transforms_a = _transforms(a_gmem.dtype, cfg.block_k)
+  in_transforms_b = _transforms(b_gmem.dtype, cfg.block_k)
+  wg_m = cfg.block_m // 2
+  epi_n = out_smem.shape[-1]
+  # Without promotion, keep one wgmma in flight and release its SMEM a step
+  # later; with promotion each step waits for its own wgmma.
+  delay = 0 if cfg.promote or k_iters < 2 else 1
+  b_collective = ('cluster',) if cfg.cluster_m == 2 else ()
+
+  def make_pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec(
+                (cfg.block_m, cfg.block_k), lambda k: (0, k),
+                transforms=in_transforms_a, memory_space=plgpu.SMEM,
+                delay_release=delay),
+            plgpu.BlockSpec(
+                (cfg.block_n, cfg.block_k), lambda k: (0, k),
+                transforms=in_transforms_b, memory_space=plgpu.SMEM,
+                delay_release=delay, collective_axes=b_collective),
+        ],
+        wg_axis='wg',
+        num_compute_wgs=2,
+        max_concurrent_steps=stages,
+        compute_context=context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=make_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+      collective_axes='wg',
+  )
+  def _scope(allocs):
+    wg = lax.axis_index('wg')
+    cta = lax.axis_index('cluster')
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes='sm')
+    def _tile_loop(info):
+      (lin,) = info.index
+      mc, ni = plgpu.planar_snake(
+          lin, (m_iters, n_iters), 0 if cfg.grid_minor_m else 1,
+          cfg.grid_tile_width)
+      mi = mc * cfg.cluster_m + cta
+      m_sl = pl.ds(mi * cfg.block_m, cfg.block_m)
+      n_sl = pl.ds(ni * cfg.block_n, cfg.block_n)
+      wg_sl = pl.ds(wg * wg_m, wg_m)
+
+      def epilogue(acc):
+        y = (acc * s_gmem[0]).astype(out_gmem.dtype)
+        out_tile = out_gmem.at[m_sl, n_sl].at[wg_sl]
+        for j in range(cfg.block_n // epi_n):
+          cols = slice(j * epi_n, (j + 1) * epi_n)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          out_smem[wg] = y[:, cols]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[:, cols])
+
+      if cfg.promote:
+        sub_k = cfg.block_k // cfg.split_k
+
+        def body(_, a_smem, b_smem, carry):
+          def step(*accs):
+            total = carry
+            for j, acc in enumerate(accs):
+              ks = pl.ds(j * sub_k, sub_k)
+              plgpu.wgmma(acc, a_smem.at[wg_sl, ks], b_smem.at[:, ks].T)
+            for j, acc in enumerate(accs):  # wait for one wgmma at a time
+              total = total + plgpu.wgmma_accumulator_load(
+                  acc, wait_n=len(accs) - 1 - j)
+            return total
+          return pl.run_scoped(
+              step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] *
+              cfg.split_k)
+
+        def context(run_pipeline):
+          init = plgpu.layout_cast(
+              jnp.zeros((wg_m, cfg.block_n), jnp.float32),
+              plgpu.Layout.WGMMA)
+          epilogue(run_pipeline(init))
+      else:
+        def body(_, a_smem, b_smem, acc_ref):
+          plgpu.wgmma(acc_ref, a_smem.at[wg_sl], b_smem.T)
+          plgpu.wgmma_wait(delay)
+          return acc_ref
+
+        def context(run_pipeline):
+          def acc_scope(acc_ref):
+            run_pipeline(acc_ref)
+            return acc_ref[...]
+          epilogue(pl.run_scoped(
+              acc_scope, plgpu.ACC((wg_m, cfg.block_n), jnp.float32)))
+
+      make_pipeline(body, context)(
+          a_gmem.at[m_sl, :], b_gmem.at[n_sl, :], allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def fp8_matmul_mosaic(a: jax.Array, b: jax.Array, scale: jax.Array, *,
+                      out_dtype=jnp.bfloat16,
+                      config: Config | None = None) -> jax.Array:
+  """(a @ b.T) * scale on Hopper with Pallas Mosaic GPU.
+
+  Args:
+    a: (M, K) float8_e4m3fn or float8_e5m2.
+    b: (N, K) float8_e4m3fn or float8_e5m2 (K-major, like a).
+    scale: () float32, the product of the two dequantization scales.
+    out_dtype: bfloat16 or float32.
+    config: tiling; DEFAULT_CONFIG when None.
+
+  Returns:
+    (M, N) array of out_dtype. Shapes not divisible by the tiles are padded
+    with zeros here and the result is sliced back.
+  """
+  if plgpu is None:
+    raise RuntimeError('jax.experimental.pallas.mosaic_gpu is unavailable.')
+  if a.dtype != b.dtype and not _MIXED_FP8_WGMMA[0]:
+    return _mixed_via_f16(a, b, scale, out_dtype)
+  if a.dtype != b.dtype:
+    try:
+      return _fp8_matmul_mosaic(a, b, scale, out_dtype, config)
+    except ValueError as e:  # jax versions whose wgmma rejects mixed FP8.
+      if 'dtype' not in str(e):
+        raise
+      _MIXED_FP8_WGMMA[0] = False
+      return _mixed_via_f16(a, b, scale, out_dtype)
+  return _fp8_matmul_mosaic(a, b, scale, out_dtype, config)
+
+
+# Whether plgpu.wgmma takes E5M2 x E4M3 operands; set False on first failure.
+_MIXED_FP8_WGMMA = [True]
+F16_CONFIG = Config(block_m=256, block_n=128, block_k=64, promote=False,
+                    split_k=1)
+
+
+def _mixed_via_f16(a, b, scale, out_dtype):
+  """Fallback: both FP8 formats are exact in float16, whose wgmma is exact."""
+  return _fp8_matmul_mosaic(
+      a.astype(jnp.float16), b.astype(jnp.float16), scale, out_dtype,
+      F16_CONFIG)
+
+
+def _fp8_matmul_mosaic(a, b, scale, out_dtype, config):
+  """fp8_matmul_mosaic without the mixed-dtype fallback."""
+  cfg = config or DEFAULT_CONFIG
+  cfg.validate(jnp.dtype(a.dtype).itemsize)
+  m, k = a.shape
+  n, k2 = b.shape
+  if k != k2:
+    raise ValueError(f'a {a.shape} and b {b.shape} differ in K.')
+  mp = _round_up(m, cfg.block_m * cfg.cluster_m)
+  np_ = _round_up(n, cfg.block_n)
+  kp = _round_up(k, cfg.block_k)
+  if (mp, kp) != (m, k):
+    a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
+  if (np_, kp) != (n, k):
+    b = jnp.pad(b, ((0, np_ - n), (0, kp - k)))
+  m_iters = mp // (cfg.block_m * cfg.cluster_m)
+  n_iters = np_ // cfg.block_n
+  k_iters = kp // cfg.block_k
+  out_itemsize = jnp.dtype(out_dtype).itemsize
+  stages, epi_n = _plan_smem(cfg, jnp.dtype(a.dtype).itemsize, out_itemsize)
+  out_smem = plgpu.SMEM(
+      (2, cfg.block_m // 2, epi_n), out_dtype,
+      transforms=_transforms(out_dtype, epi_n))
+  f = plgpu.kernel(
+      functools.partial(_kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
+                        k_iters=k_iters, stages=stages),
+      out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+      scratch_types=[out_smem],
+      grid=(_num_sms() // cfg.cluster_m,),
+      grid_names=('sm',),
+      cluster=(cfg.cluster_m,),
+      cluster_names=('cluster',),
+      num_threads=3,
+      thread_name='wg',
+  )
+  s = jnp.reshape(scale.astype(jnp.float32), (1,))
+  out = f(a, b, s)
+  if (mp, np_) != (m, n):
+    out = out[:m, :n]
+  return out

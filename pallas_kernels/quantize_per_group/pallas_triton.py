@@ -1,0 +1,172 @@
+"""Per-group quantize and dequantize as Pallas kernels (Triton lowering).
+
+Each program owns a (block_rows, block_cols) tile of the 2-D view
+(rows, cols) of the array (the last axis kept, so groups never straddle a
+tile); block_cols is a multiple of the group size. Out-of-range lanes are
+masked on load and store and read as zeros, which is exactly the zero padding
+of a partial last group in the reference. The group math is
+`reference.encode_groups` / `decode_groups` itself.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _common
+from pallas_kernels._common import pl
+from pallas_kernels._common import pltriton
+from pallas_kernels.quantize_per_group import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Static tiling. None picks a size from the shape.
+
+  Attributes:
+    block_rows: rows of a tile (power of two).
+    block_cols: columns of a tile (power of two, multiple of the group size).
+    num_warps: warps per program.
+    target: elements per tile when the sizes are picked from the shape.
+  """
+
+  block_rows: int | None = None
+  block_cols: int | None = None
+  num_warps: int = 4
+  target: int = 4096
+
+  def resolve(self, rows: int, cols: int, group_size: int) -> tuple[int, int]:
+    bc = self.block_cols or min(
+        max(group_size, _common.next_pow2(cols)), max(group_size, 1024))
+    br = self.block_rows or min(
+        _common.next_pow2(rows), max(1, self.target // bc))
+    if bc % group_size or bc & (bc - 1) or br & (br - 1):
+      raise ValueError(
+          f'block sizes ({br}, {bc}) must be powers of two and block_cols a'
+          f' multiple of group_size={group_size}.')
+    return br, bc
+
+
+def _grid(rows: int, cols: int, br: int, bc: int):
+  ncb = pl.cdiv(cols, bc)
+  return (pl.cdiv(rows, br) * ncb,), ncb
+
+
+def _spec(block, ncb):
+  return pl.BlockSpec(block, lambda p: (p // ncb, p % ncb))
+
+
+def _quantize_kernel(x_ref, *out_refs, rows, cols, ncb, group_size, dtype,
+                     expansion, scale_dtype, ops):
+  pid = pl.program_id(0)
+  i, j = pid // ncb, pid % ncb
+  br, bc = x_ref.shape
+  ng = bc // group_size
+  mask = _common.tile_mask(i, j, (br, bc), (rows, cols))
+  gmask = _common.tile_mask(
+      i, j, (br, ng), (rows, pl.cdiv(cols, group_size)))
+  x = pltriton.load(x_ref, mask=mask).astype(jnp.float32)
+  x = jnp.where(mask, x, 0.0)
+  values, scale, exponent = reference.encode_groups(
+      x.reshape(br, ng, group_size), dtype, expansion, scale_dtype, ops)
+  pltriton.store(out_refs[0], values.reshape(br, bc), mask=mask)
+  pltriton.store(out_refs[1], scale, mask=gmask)
+  if expansion:
+    pltriton.store(out_refs[2], exponent, mask=gmask)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=('group_size', 'dtype', 'expansion', 'scale_dtype',
+                     'block_sizes', 'interpret'))
+def quantize_per_group(
+    x: jax.Array, group_size: int = 128, dtype: Any = 'e4m3',
+    expansion: bool = False, *, scale_dtype: Any = jnp.float32,
+    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Pallas version of `reference.quantize_per_group` (same contract)."""
+  dt = _common.fp8_dtype(dtype)
+  shape = x.shape
+  rows, cols = _common.as_2d(shape)
+  br, bc = block_sizes.resolve(rows, cols, group_size)
+  ng_total = pl.cdiv(cols, group_size)
+  grid, ncb = _grid(rows, cols, br, bc)
+  out_shape = [
+      jax.ShapeDtypeStruct((rows, cols), dt),
+      jax.ShapeDtypeStruct((rows, ng_total), scale_dtype),
+  ]
+  out_specs = [_spec((br, bc), ncb), _spec((br, bc // group_size), ncb)]
+  if expansion:
+    out_shape.append(jax.ShapeDtypeStruct((rows, ng_total), jnp.float32))
+    out_specs.append(_spec((br, bc // group_size), ncb))
+  kernel = functools.partial(
+      _quantize_kernel, rows=rows, cols=cols, ncb=ncb, group_size=group_size,
+      dtype=dt, expansion=expansion, scale_dtype=scale_dtype,
+      ops=_common.kernel_ops(interpret))
+  outs = pl.pallas_call(
+      kernel, grid=grid, in_specs=[_spec((br, bc), ncb)],
+      out_specs=out_specs, out_shape=out_shape, interpret=interpret,
+      compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
+      name='quantize_per_group',
+  )(x.reshape(rows, cols))
+  sshape = reference.scale_shape(shape, group_size)
+  values = outs[0].reshape(shape)
+  scale = outs[1].reshape(sshape)
+  exponent = outs[2].reshape(sshape) if expansion else None
+  return values, scale, exponent
+
+
+def _dequantize_kernel(v_ref, s_ref, *refs, rows, cols, ncb, group_size,
+                       fp8_max, expansion, ops):
+  e_ref, o_ref = refs if expansion else (None, refs[0])
+  pid = pl.program_id(0)
+  i, j = pid // ncb, pid % ncb
+  br, bc = v_ref.shape
+  ng = bc // group_size
+  mask = _common.tile_mask(i, j, (br, bc), (rows, cols))
+  gmask = _common.tile_mask(
+      i, j, (br, ng), (rows, pl.cdiv(cols, group_size)))
+  q = jnp.where(mask, pltriton.load(v_ref, mask=mask).astype(jnp.float32), 0.)
+  scale = pltriton.load(s_ref, mask=gmask)
+  exponent = None
+  if expansion:
+    exponent = jnp.where(gmask, pltriton.load(e_ref, mask=gmask), 1.0)
+  out = reference.decode_groups(
+      q.reshape(br, ng, group_size), scale, exponent, fp8_max, ops)
+  pltriton.store(o_ref, out.reshape(br, bc).astype(o_ref.dtype), mask=mask)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=('group_size', 'out_dtype', 'block_sizes', 'interpret'))
+def dequantize_per_group(
+    values: jax.Array, scale: jax.Array, exponent: jax.Array | None,
+    group_size: int, *, out_dtype: Any = jnp.float32,
+    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
+) -> jax.Array:
+  """Pallas version of `reference.dequantize_per_group` (same contract)."""
+  shape = values.shape
+  rows, cols = _common.as_2d(shape)
+  br, bc = block_sizes.resolve(rows, cols, group_size)
+  ng_total = pl.cdiv(cols, group_size)
+  grid, ncb = _grid(rows, cols, br, bc)
+  expansion = exponent is not None
+  args = [values.reshape(rows, cols), scale.reshape(rows, ng_total)]
+  in_specs = [_spec((br, bc), ncb), _spec((br, bc // group_size), ncb)]
+  if expansion:
+    args.append(exponent.reshape(rows, ng_total))
+    in_specs.append(_spec((br, bc // group_size), ncb))
+  kernel = functools.partial(
+      _dequantize_kernel, rows=rows, cols=cols, ncb=ncb,
+      group_size=group_size, fp8_max=_common.fp8_max(values.dtype),
+      expansion=expansion, ops=_common.kernel_ops(interpret))
+  out = pl.pallas_call(
+      kernel, grid=grid, in_specs=in_specs, out_specs=_spec((br, bc), ncb),
+      out_shape=jax.ShapeDtypeStruct((rows, cols), out_dtype),
+      interpret=interpret,
+      compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
+      name='dequantize_per_group',
+  )(*args)
+  return out.reshape(shape)

@@ -1,0 +1,60 @@
+"""Per-tensor FP8 quantization (+ transposed copy): public entry."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _common
+from pallas_kernels.quantize_per_group import reference as group_reference
+from pallas_kernels.quantize_per_tensor import reference
+
+# Measured on H100 (benchmarks/RESULTS.md).
+PALLAS_IS_DEFAULT = True
+
+
+def quantize_per_tensor(
+    x: jax.Array, dtype: Any = 'e4m3', *, scale_dtype: Any = jnp.float32,
+    amax: jax.Array | None = None, transpose: bool = False,
+    implementation: str | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Quantizes `x` with one current scale, optionally with its FP8 transpose.
+
+  scale = amax / fp8_max (1 for all zeros, NaN if x holds NaN or Inf);
+  values = saturate(x / scale), round to nearest even.
+
+  Args:
+    x: floating array of any shape.
+    dtype: 'e4m3' or 'e5m2'.
+    scale_dtype: float32 or bfloat16.
+    amax: max |x| if already known (computed by the producer of x: then the
+      Pallas path is one pass over x), else None.
+    transpose: also return the FP8 transpose of the 2-D view
+      (prod(x.shape[:-1]), x.shape[-1]), written in the same pass.
+    implementation: None (fastest available), 'xla' or 'pallas'.
+
+  Returns:
+    (values: x.shape FP8, scale: () scale_dtype, values_t: (n, rows) FP8 or
+    None).
+  """
+  dt = _common.fp8_dtype(dtype)
+  sd = np.dtype(scale_dtype)
+  if sd not in group_reference.SCALE_DTYPES:
+    raise ValueError(
+        f'scale_dtype={scale_dtype!r} is not supported: use jnp.float32 or'
+        ' jnp.bfloat16.')
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f'x has dtype {x.dtype}; quantization needs floats.')
+  if amax is not None and jnp.shape(amax) != ():
+    raise ValueError(f'amax must be a scalar, got shape {jnp.shape(amax)}.')
+  impl, interpret = _common.resolve_implementation(
+      implementation, PALLAS_IS_DEFAULT)
+  if impl == 'pallas':
+    from pallas_kernels.quantize_per_tensor import pallas_triton
+    return pallas_triton.quantize_per_tensor(
+        x, dt, scale_dtype=sd, amax=amax, transpose=transpose,
+        interpret=interpret)
+  return reference.quantize_per_tensor(
+      x, dt, scale_dtype=sd, amax=amax, transpose=transpose)

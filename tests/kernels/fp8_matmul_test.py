@@ -1,0 +1,204 @@
+"""Tests of pallas_kernels.fp8_matmul.
+
+CPU: the reference, the 'xla' path, dispatch and input validation. GPU
+(marked `gpu`, skipped without a Hopper GPU): the Mosaic GPU kernel, exact on
+small-integer inputs, as accurate as cuBLASLt's precise FP8 path on random
+inputs, on boundary shapes and with scales != 1.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.fp8_matmul import api
+from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.fp8_matmul import fp8_matmul_reference
+from pallas_kernels.fp8_matmul import mosaic_gpu
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+MIXES = [(E4M3, E4M3), (E5M2, E4M3)]
+HOPPER = api.pallas_available()
+needs_hopper = pytest.mark.skipif(
+    not HOPPER, reason='needs a Hopper GPU with Mosaic GPU')
+
+
+def small_ints(key, shape, dtype):
+  """Integers in [-8, 8): exact in E4M3 and E5M2, so f32 sums are exact."""
+  x = jax.random.randint(key, shape, -8, 8).astype(jnp.float32)
+  return x.astype(dtype)
+
+
+def f64_ref(a, b, a_scale=1.0, b_scale=1.0):
+  a64 = np.asarray(a.astype(jnp.float32), np.float64)
+  b64 = np.asarray(b.astype(jnp.float32), np.float64)
+  return (a64 @ b64.T) * (float(a_scale) * float(b_scale))
+
+
+def rel_err(out, ref):
+  out = np.asarray(out, np.float64)
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+# ---------------------------------------------------------------- CPU tests
+
+
+@pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
+@pytest.mark.parametrize('out_dtype', [jnp.float32, jnp.bfloat16])
+def test_reference_exact_small_ints(a_dtype, b_dtype, out_dtype):
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = small_ints(ka, (48, 96), a_dtype)
+  b = small_ints(kb, (32, 96), b_dtype)
+  out = fp8_matmul_reference(a, b, 1.0, 1.0, out_dtype=out_dtype)
+  assert out.dtype == out_dtype and out.shape == (48, 32)
+  want = f64_ref(a, b).astype(np.float32)
+  np.testing.assert_array_equal(
+      np.asarray(out, np.float32), want.astype(out_dtype).astype(np.float32))
+
+
+@pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
+def test_xla_path_matches_reference(a_dtype, b_dtype):
+  ka, kb = jax.random.split(jax.random.key(1))
+  a = small_ints(ka, (64, 128), a_dtype)
+  b = small_ints(kb, (48, 128), b_dtype)
+  sa, sb = jnp.float32(0.5), jnp.float32(4.0)  # powers of 2: still exact
+  out = fp8_matmul(a, b, sa, sb, out_dtype=jnp.float32, implementation='xla')
+  np.testing.assert_array_equal(out, f64_ref(a, b, 0.5, 4.0))
+  ref = fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.bfloat16)
+  out = jax.jit(lambda a, b: fp8_matmul(a, b, sa, sb, implementation='xla'))(
+      a, b)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out, ref)
+
+
+def test_scales_not_one():
+  ka, kb = jax.random.split(jax.random.key(2))
+  a = (jax.random.normal(ka, (32, 64)) * 3).astype(E4M3)
+  b = (jax.random.normal(kb, (16, 64)) * 3).astype(E4M3)
+  out = fp8_matmul(a, b, 0.37, 1.9, out_dtype=jnp.float32,
+                   implementation='xla')
+  np.testing.assert_allclose(out, f64_ref(a, b, 0.37, 1.9), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_dispatch():
+  if jax.default_backend() == 'cpu':
+    assert api.resolve_implementation(None) == 'xla'
+    with pytest.raises(ValueError, match='pallas'):
+      api.resolve_implementation('pallas')
+  assert api.resolve_implementation('xla') == 'xla'
+  with pytest.raises(ValueError, match='implementation'):
+    api.resolve_implementation('triton')
+  a = small_ints(jax.random.key(3), (16, 32), E4M3)
+  np.testing.assert_array_equal(
+      fp8_matmul(a, a, 1.0, 1.0),
+      fp8_matmul(a, a, 1.0, 1.0, implementation='xla'))
+
+
+def test_kernel_module_imports():
+  assert mosaic_gpu.DEFAULT_CONFIG.promote
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(a=jnp.zeros((16, 32), jnp.bfloat16)), 'a must be float8'),
+    (dict(b=jnp.zeros((16, 32), jnp.float32)), 'b must be float8'),
+    (dict(a=jnp.zeros((16, 32), E5M2), b=jnp.zeros((16, 32), E5M2)),
+     'E5M2 x E5M2'),
+    (dict(a=jnp.zeros((24, 32), E4M3)), r'a\.shape.*rows = 24'),
+    (dict(b=jnp.zeros((16, 40), E4M3)), r'b\.shape.*K = 40'),
+    (dict(b=jnp.zeros((16, 48), E4M3)), 'same K'),
+    (dict(a=jnp.zeros((2, 16, 32), E4M3)), 'a must be 2-D'),
+    (dict(a_scale=jnp.ones((1,), jnp.float32)), 'a_scale.*shape'),
+    (dict(b_scale=jnp.ones((), jnp.float16)), 'b_scale must be float32'),
+    (dict(a_scale='1'), 'a_scale'),
+    (dict(out_dtype=jnp.float16), 'out_dtype'),
+    (dict(implementation='cublas'), 'implementation'),
+])
+def test_validation(kwargs, match):
+  args = dict(a=jnp.zeros((16, 32), E4M3), b=jnp.zeros((32, 32), E4M3),
+              a_scale=1.0, b_scale=jnp.float32(1.0))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    fp8_matmul(args.pop('a'), args.pop('b'), args.pop('a_scale'),
+               args.pop('b_scale'), **args)
+
+
+# ---------------------------------------------------------------- GPU tests
+
+
+def pallas(a, b, sa=1.0, sb=1.0, out_dtype=jnp.float32):
+  return fp8_matmul(a, b, jnp.float32(sa), jnp.float32(sb),
+                    out_dtype=out_dtype, implementation='pallas')
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
+@pytest.mark.parametrize('out_dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('mnk', [(256, 256, 512), (512, 384, 1024)])
+def test_pallas_exact_small_ints(a_dtype, b_dtype, out_dtype, mnk):
+  m, n, k = mnk
+  ka, kb = jax.random.split(jax.random.key(m + n + k))
+  a = small_ints(ka, (m, k), a_dtype)
+  b = small_ints(kb, (n, k), b_dtype)
+  out = pallas(a, b, out_dtype=out_dtype)
+  want = f64_ref(a, b).astype(np.float32)  # |sums| < 2^24: exact in f32
+  np.testing.assert_array_equal(
+      np.asarray(out, np.float32), want.astype(out_dtype).astype(np.float32))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
+@pytest.mark.parametrize('k', [4096, 16384])
+@pytest.mark.parametrize('dist', ['uniform', 'normal'])
+def test_pallas_accuracy_vs_cublaslt_precise(a_dtype, b_dtype, k, dist):
+  ka, kb = jax.random.split(jax.random.key(k))
+  if dist == 'uniform':  # all positive: the worst case for accumulation
+    a = jax.random.uniform(ka, (512, k)).astype(a_dtype)
+    b = jax.random.uniform(kb, (512, k)).astype(b_dtype)
+  else:
+    a = jax.random.normal(ka, (512, k)).astype(a_dtype)
+    b = jax.random.normal(kb, (512, k)).astype(b_dtype)
+  ref = f64_ref(a, b)
+  err = rel_err(pallas(a, b), ref)
+  xla = fp8_matmul(a, b, 1.0, 1.0, out_dtype=jnp.float32,
+                   implementation='xla')
+  xla_err = rel_err(xla, ref)
+  print(f'{a_dtype.__name__} K={k} {dist}: pallas {err:.2e} xla {xla_err:.2e}')
+  assert np.isfinite(err)
+  assert err <= max(xla_err, 1e-6), (err, xla_err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('mnk', [(16, 16, 16), (48, 80, 112), (272, 400, 208),
+                                 (1040, 144, 4112)])
+@pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
+def test_pallas_boundary_shapes_and_scales(mnk, a_dtype, b_dtype):
+  m, n, k = mnk
+  ka, kb = jax.random.split(jax.random.key(7))
+  a = small_ints(ka, (m, k), a_dtype)
+  b = small_ints(kb, (n, k), b_dtype)
+  out = pallas(a, b, 0.25, 8.0)  # powers of 2 keep the result exact
+  assert out.shape == (m, n)
+  np.testing.assert_array_equal(out, f64_ref(a, b, 0.25, 8.0))
+  out = pallas(a, b, 0.3, 1.7, out_dtype=jnp.bfloat16)
+  np.testing.assert_allclose(
+      np.asarray(out, np.float32), f64_ref(a, b, 0.3, 1.7), rtol=8e-3,
+      atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_pallas_deterministic_and_default_dispatch():
+  ka, kb = jax.random.split(jax.random.key(9))
+  a = jax.random.normal(ka, (1024, 2048)).astype(E4M3)
+  b = jax.random.normal(kb, (768, 2048)).astype(E4M3)
+  # None is the measured-fastest path: cuBLASLt through XLA (RESULTS.md).
+  assert api.resolve_implementation(None) == 'xla'
+  f = jax.jit(lambda a, b: fp8_matmul(a, b, 1.0, 1.0, implementation='pallas'))
+  out1, out2 = f(a, b), f(a, b)
+  assert bool(jnp.all(jnp.isfinite(out1.astype(jnp.float32))))
+  np.testing.assert_array_equal(out1, out2)

@@ -1,0 +1,112 @@
+"""FP8 RMSNorm: numerics against float32, what it saves, errors."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import coat_jax.nn as cnn
+
+
+def _key():
+  return jax.random.key(np.random.randint(1 << 30))
+
+
+def _group_exact(key, shape, exponent=-6):
+  """bf16 array whose E4M3 1x16 quantization (bf16 scales) is exact."""
+  codes = jnp.clip(jax.random.normal(key, shape) * 100, -448, 448)
+  codes = codes.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  groups = codes.reshape(shape[:-1] + (shape[-1] // 16, 16))
+  groups = groups.at[..., 0].set(448.0)  # every group's max is exactly 448
+  return (groups.reshape(shape) * 2.0**exponent).astype(jnp.bfloat16)
+
+
+def _ref(x, scale, eps=1e-5):
+  xf = x.astype(jnp.float32)
+  rstd = jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)
+  return xf * rstd * scale
+
+
+@jax.jit
+def _fwd_bwd(x, scale, g):
+  y, vjp = jax.vjp(cnn.fp8_rms_norm, x, scale)
+  y_ref, vjp_ref = jax.vjp(_ref, x, scale)
+  return (y, *vjp(g)), (y_ref, *vjp_ref(g.astype(jnp.float32)))
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_exact_on_group_representable_input():
+  k = jax.random.split(_key(), 3)
+  x = _group_exact(k[0], (3, 24, 128))
+  scale = 1 + 0.1 * jax.random.normal(k[1], (128,))
+  g = jax.random.normal(k[2], (3, 24, 128), jnp.bfloat16)
+  (y, dx, ds), (y_ref, dx_ref, ds_ref) = _fwd_bwd(x, scale, g)
+  assert y.dtype == dx.dtype == jnp.bfloat16 and ds.dtype == jnp.float32
+  np.testing.assert_allclose(y.astype(jnp.float32), y_ref, rtol=2**-8,
+                             atol=1e-3)
+  np.testing.assert_allclose(dx.astype(jnp.float32), dx_ref, rtol=2**-7,
+                             atol=2**-8 * np.abs(dx_ref).max())
+  np.testing.assert_allclose(ds, ds_ref, rtol=1e-4,
+                             atol=1e-5 * np.abs(ds_ref).max())
+
+
+def test_random_input_within_fp8_error():
+  k = jax.random.split(_key(), 3)
+  x = (3 * jax.random.normal(k[0], (2, 37, 256))).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(k[1], (256,))
+  g = jax.random.normal(k[2], (2, 37, 256), jnp.bfloat16)
+  (y, dx, ds), (y_ref, dx_ref, ds_ref) = _fwd_bwd(x, scale, g)
+  assert _rel(y, y_ref) < 2**-7  # the forward is not quantized
+  assert _rel(dx, dx_ref) < 0.05
+  assert _rel(ds, ds_ref) < 0.05
+  assert np.isfinite(np.asarray(dx, np.float32)).all()
+
+
+def test_saves_fp8_groups_bf16_scales_and_rstd():
+  x = jnp.ones((2, 40, 128), jnp.bfloat16)
+  res = cnn.saved_residuals(cnn.fp8_rms_norm, x, jnp.ones((128,)))
+  assert [(r.shape, str(r.dtype)) for r in res] == [
+      ((2, 40, 128), 'float8_e4m3fn'), ((2, 40, 8), 'bfloat16'),
+      ((2, 40, 1), 'float32')]
+  per_element = cnn.nbytes(res) / x.size
+  # 1 (code) + 2/16 (bf16 scale) + 4/128 (rstd): 1.156 bytes vs 2 for bf16.
+  print(f'fp8_rms_norm saves {per_element:.4f} bytes/element'
+        ' (fp32 scales would be 1.2813)')
+  assert per_element == pytest.approx(1 + 2 / 16 + 4 / 128)
+
+
+def test_nan_propagates_to_dx():
+  x = jnp.ones((4, 32), jnp.bfloat16).at[1, 3].set(jnp.nan)
+  dx = jax.jit(jax.grad(lambda x: jnp.sum(cnn.fp8_rms_norm(
+      x, jnp.ones((32,))).astype(jnp.float32))))(x)
+  assert np.isnan(np.asarray(dx[1], np.float32)).all()
+
+
+@pytest.mark.parametrize('precision', ['bf16', 'coat'])
+def test_module(precision):
+  norm = cnn.CoatRMSNorm(64, precision=precision, scale_axes=('norm',),
+                         rngs=nnx.Rngs(0))
+  assert norm.scale.shape == (64,) and norm.scale.dtype == jnp.float32
+  assert norm.scale.get_metadata()['out_sharding'] == ('norm',)
+  x = jax.random.normal(_key(), (3, 5, 64), jnp.bfloat16)
+  y = nnx.jit(lambda m, x: m(x))(norm, x)
+  assert y.dtype == jnp.bfloat16
+  assert _rel(y, _ref(x, 1.0)) < 2**-7
+
+
+def test_errors():
+  with pytest.raises(ValueError, match='num_features=40 must be a multiple'):
+    cnn.CoatRMSNorm(40, precision='coat', rngs=nnx.Rngs(0))
+  cnn.CoatRMSNorm(40, precision='fp8_linear', rngs=nnx.Rngs(0))  # BF16 norm
+  with pytest.raises(ValueError, match=r'x.shape\[-1\]=40'):
+    cnn.fp8_rms_norm(jnp.ones((2, 40)), jnp.ones((40,)))
+  with pytest.raises(ValueError, match='scale has shape'):
+    cnn.fp8_rms_norm(jnp.ones((2, 32)), jnp.ones((16,)))
+  with pytest.raises(TypeError, match='floating'):
+    cnn.fp8_rms_norm(jnp.ones((2, 32), jnp.int32), jnp.ones((32,)))

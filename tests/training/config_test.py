@@ -1,0 +1,127 @@
+"""Configs: every file loads and validates; bad input gets clear errors."""
+
+import glob
+import os
+
+import pytest
+
+from coat_jax import training
+from coat_jax.training import config as config_lib
+from coat_jax.training import data as data_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
+
+
+def test_there_are_configs():
+  names = {os.path.basename(c) for c in CONFIGS}
+  assert {'tiny.py', 'llama_125m.py', 'llama_1b.py', 'llama2_7b.py',
+          'llama2_13b.py'} <= names
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=os.path.basename)
+def test_every_config_loads_and_validates(path):
+  config = training.load_config(path)
+  training.validate(config, num_devices=1)
+  training.validate(config, num_devices=8)
+  from coat_jax.training.trainer import llama_config  # noqa: PLC0415
+  llama_config(config.model)
+
+
+def test_overrides_parse_by_type():
+  config = training.apply_overrides(training.Config(), [
+      'model.precision=bf16', 'train.batch_size=32', 'optim.learning_rate=1e-4',
+      'optim.expansion=false', 'optim.moment_dtypes=e4m3,e5m2',
+      'model.hidden_size=128', 'data.tokenizer=none'])
+  assert config.model.precision == 'bf16' and config.train.batch_size == 32
+  assert config.optim.learning_rate == 1e-4 and not config.optim.expansion
+  assert config.optim.moment_dtypes == ('e4m3', 'e5m2')
+  assert config.model.hidden_size == 128 and config.data.tokenizer is None
+  assert training.Config().train.batch_size == 16  # defaults untouched
+
+
+@pytest.mark.parametrize('override,message', [
+    ('train.nope=1', "unknown field 'nope'"),
+    ('nope.steps=1', "unknown section 'nope'"),
+    ('train.steps=ten', "expected a value of type int"),
+    ('optim.expansion=maybe', 'expected true or false'),
+    ('train.steps', 'must look like section.field=value'),
+])
+def test_bad_overrides(override, message):
+  with pytest.raises(ValueError, match=message):
+    training.apply_overrides(training.Config(), [override])
+
+
+@pytest.mark.parametrize('override,devices,message', [
+    ('model.precision=fp4', 1, 'model.precision'),
+    ('mesh.fsdp=3', 8, 'do(es)? not divide|devices'),
+    ('mesh.data=2', 8, 'mesh data=2 x fsdp=1 x tensor=1 = 2 devices'),
+    ('train.batch_size=12', 8, 'divisible by mesh.data x mesh.fsdp = 8'),
+    ('train.microbatches=3', 1, 'multiple of train.microbatches'),
+    ('data.source=text', 1, 'needs data.paths'),
+    ('train.steps=0', 1, 'train.steps must be positive'),
+])
+def test_bad_configs(override, devices, message):
+  config = training.apply_overrides(training.Config(), [override])
+  with pytest.raises(ValueError, match=message):
+    training.validate(config, devices)
+
+
+def test_wrong_type_set_in_a_config_file(tmp_path):
+  path = tmp_path / 'bad.py'
+  path.write_text('from coat_jax.training import Config\n'
+                  'def get_config():\n  c = Config()\n'
+                  '  c.train.steps = "10"\n  return c\n')
+  with pytest.raises(ValueError, match="train.steps='10' has type str"):
+    training.validate(training.load_config(path), 1)
+  with pytest.raises(FileNotFoundError, match='no such file'):
+    training.load_config(tmp_path / 'missing.py')
+
+
+def test_data_errors(tmp_path):
+  empty = tmp_path / 'empty.txt'
+  empty.write_text('')
+  short = tmp_path / 'short.txt'
+  short.write_text('x' * 40)
+  cfg = lambda **kw: config_lib.DataConfig(**{'seq_len': 32, **kw})
+  with pytest.raises(FileNotFoundError, match='no file matches'):
+    data_lib.load_dataset(cfg(source='text', paths=('/nope/*.txt',)), 256)
+  with pytest.raises(ValueError, match='is empty'):
+    data_lib.load_dataset(cfg(source='text', paths=(str(empty),)), 256)
+  with pytest.raises(ValueError, match='too few for one window'):
+    data_lib.load_dataset(cfg(source='text', paths=(str(short),)), 256)
+  short.write_text('x' * 400)
+  with pytest.raises(ValueError, match='vocab_size=100'):
+    data_lib.load_dataset(cfg(source='text', paths=(str(short),),
+                              seq_len=8), 100)
+
+
+def test_token_files(tmp_path):
+  import numpy as np  # noqa: PLC0415
+  ids = np.arange(5000, dtype=np.uint16) % 1000
+  np.save(tmp_path / 'a.npy', ids)
+  ids.tofile(tmp_path / 'b.bin')
+  for name in ('a.npy', 'b.bin'):
+    ds = data_lib.load_dataset(config_lib.DataConfig(
+        source='tokens', paths=(str(tmp_path / name),), seq_len=16), 1000)
+    x, y = ds.batch('train', 0, 3, 4, 16)
+    assert x.shape == (4, 16) and (x[:, 1:] == y[:, :-1]).all()
+    x2, _ = ds.batch('train', 0, 3, 4, 16)
+    assert (x == x2).all()  # deterministic: the position is the step
+  with pytest.raises(ValueError, match='token id 999.*vocab_size=500'):
+    data_lib.load_dataset(config_lib.DataConfig(
+        source='tokens', paths=(str(tmp_path / 'a.npy'),), seq_len=16), 500)
+  (tmp_path / 'odd.bin').write_bytes(b'\x00' * 3001)
+  with pytest.raises(ValueError, match='not a multiple'):
+    data_lib.load_dataset(config_lib.DataConfig(
+        source='tokens', paths=(str(tmp_path / 'odd.bin'),)), 500)
+
+
+def test_stdlib_split_is_deterministic_and_by_file():
+  files = data_lib.stdlib_files()
+  assert len(files) > 100
+  import sysconfig  # noqa: PLC0415
+  root = sysconfig.get_paths()['stdlib']
+  a = data_lib._split_files(files, 0.05, root)
+  b = data_lib._split_files(files, 0.05, root)
+  assert a == b and a[1] and not set(a[0]) & set(a[1])

@@ -1,0 +1,37 @@
+"""Shared fixtures for the train.py tests: a small text corpus, tiny configs."""
+
+import os
+
+import pytest
+
+from coat_jax import training
+
+
+@pytest.fixture(scope='session')
+def corpus(tmp_path_factory) -> str:
+  """~200 KB of real Python source, as one text file."""
+  import json  # noqa: PLC0415 (any stdlib package is real text)
+  src = os.path.dirname(json.__file__)
+  text = ''.join(open(os.path.join(src, f)).read() for f in sorted(
+      os.listdir(src)) if f.endswith('.py'))
+  path = tmp_path_factory.mktemp('corpus') / 'code.txt'
+  path.write_text(text * 2)
+  return str(path)
+
+
+@pytest.fixture
+def tiny_config(corpus, tmp_path):
+  def make(**sections) -> training.Config:
+    config = training.Config()
+    config.data = training.DataConfig(source='text', paths=(corpus,),
+                                      seq_len=32)
+    config.train = training.TrainConfig(
+        steps=3, batch_size=8, log_every=1, eval_every=100, eval_batches=1,
+        checkpoint_every=100, run_dir=str(tmp_path / 'run'),
+        progress_bar=False)
+    config.optim.warmup_steps = 1
+    for section, fields in sections.items():
+      for k, v in fields.items():
+        setattr(getattr(config, section), k, v)
+    return config
+  return make

@@ -1,0 +1,185 @@
+"""train.py's loop: precision modes, meshes, resume, faults, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax import quant
+from coat_jax import training
+from coat_jax.training import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def _losses(run_dir):
+  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    return [r['loss'] for r in map(json.loads, f) if 'loss' in r]
+
+
+def _train(config, devices):
+  summary = training.train(config, devices=devices)
+  return summary, _losses(config.train.run_dir)
+
+
+@pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
+def test_three_steps_in_each_precision(tiny_config, precision):
+  config = tiny_config(model={'precision': precision})
+  summary, losses = _train(config, jax.devices()[:1])
+  assert len(losses) == 3 and all(np.isfinite(losses))
+  assert losses[-1] < losses[0]
+  assert summary['step'] == 3 and summary['nonfinite_steps'] == 0
+
+
+# Sharded runs repeat the single-device run: same data, same math, only the
+# reduction order of the sharded matmuls differs. FP8 rounding can amplify a
+# last-bit difference into one quantization step, hence 2e-3 relative.
+MESHES = [dict(data=8), dict(data=1, fsdp=8), dict(data=2, fsdp=4),
+          dict(data=2, fsdp=2, tensor=2)]
+
+
+@pytest.mark.slow
+def test_meshes_give_the_single_device_losses(tiny_config, tmp_path):
+  config = tiny_config(optim={'group_size': 16},
+                       mesh={'data': 1, 'fsdp': 1, 'tensor': 1})
+  _, reference = _train(config, jax.devices()[:1])
+  for i, mesh in enumerate(MESHES):
+    config = tiny_config(optim={'group_size': 16},
+                         mesh={'data': 1, 'fsdp': 1, 'tensor': 1, **mesh},
+                         train={'run_dir': str(tmp_path / f'mesh{i}')})
+    _, losses = _train(config, jax.devices())
+    print(mesh, losses, reference)
+    np.testing.assert_allclose(losses, reference, rtol=2e-3, err_msg=mesh)
+
+
+def test_fp8_state_carries_the_param_sharding(tiny_config):
+  config = tiny_config(optim={'group_size': 16},
+                       mesh={'data': 1, 'fsdp': 8, 'tensor': 1})
+  setup = training.build(config, jax.devices())
+  state = setup.init_state()
+  mu = state['opt_state'][1][0].mu
+  params = state['params']
+  kernel = params['layers'][0]['mlp']['up_proj']['kernel']
+  q = mu['layers'][0]['mlp']['up_proj']['kernel']
+  assert isinstance(q, quant.QuantizedArray)
+  assert kernel.sharding.spec == q.values.sharding.spec
+  assert kernel.sharding.spec[0] == 'fsdp'
+  assert q.scale.sharding.spec == kernel.sharding.spec
+  # A param whose last axis would split groups is not sharded there.
+  down = params['layers'][0]['mlp']['down_proj']['kernel']  # (176, 64)
+  assert down.sharding.spec == jax.sharding.PartitionSpec('tensor', None) or (
+      down.sharding.spec[-1] is None)
+
+
+def test_ctrl_c_saves_and_resume_is_bit_exact(tiny_config, tmp_path,
+                                               monkeypatch):
+  full = tiny_config(train={'steps': 6, 'run_dir': str(tmp_path / 'full')})
+  _, full_losses = _train(full, jax.devices()[:1])
+
+  build = trainer.build
+
+  def build_with_ctrl_c_at_step_4(*args, **kwargs):
+    setup = build(*args, **kwargs)
+    step, calls = setup.train_step, []
+
+    def interrupted(*a):
+      calls.append(1)
+      if len(calls) == 4:
+        raise KeyboardInterrupt
+      return step(*a)
+
+    setup.train_step = interrupted
+    return setup
+
+  part = tiny_config(train={'steps': 6, 'run_dir': str(tmp_path / 'part')})
+  monkeypatch.setattr(trainer, 'build', build_with_ctrl_c_at_step_4)
+  summary, _ = _train(part, jax.devices()[:1])
+  assert summary['interrupted'] and summary['step'] == 3
+  monkeypatch.setattr(trainer, 'build', build)
+  summary, part_losses = _train(part, jax.devices()[:1])
+  assert summary['resumed_from'] == 3 and summary['step'] == 6
+  assert part_losses == full_losses  # bit for bit, every step
+
+
+def test_restore_on_another_mesh_and_continue(tiny_config, tmp_path):
+  run = str(tmp_path / 'run')
+  config = tiny_config(optim={'group_size': 16}, train={'run_dir': run},
+                       mesh={'data': 1, 'fsdp': 8, 'tensor': 1})
+  _train(config, jax.devices())
+  config = tiny_config(optim={'group_size': 16},
+                       train={'run_dir': run, 'steps': 5},
+                       mesh={'data': 2, 'fsdp': 4, 'tensor': 1})
+  summary, losses = _train(config, jax.devices())
+  assert summary['resumed_from'] == 3 and summary['step'] == 5
+  assert len(losses) == 5 and np.isfinite(losses).all()
+
+
+def test_mismatched_checkpoint_is_refused(tiny_config, tmp_path):
+  run = str(tmp_path / 'run')
+  _train(tiny_config(train={'run_dir': run}), jax.devices()[:1])
+  other = tiny_config(train={'run_dir': run, 'steps': 4},
+                      model={'hidden_size': 128})
+  with pytest.raises(ValueError, match='another configuration'):
+    training.train(other, devices=jax.devices()[:1])
+  other = tiny_config(train={'run_dir': run, 'steps': 4},
+                      optim={'moment_dtypes': ('e4m3', 'float32')})
+  with pytest.raises(ValueError, match='moment_dtypes'):
+    training.train(other, devices=jax.devices()[:1])
+
+
+def test_half_written_checkpoint_leaves_the_previous_loadable(tiny_config,
+                                                              tmp_path):
+  run = str(tmp_path / 'run')
+  _train(tiny_config(train={'run_dir': run}), jax.devices()[:1])
+  ckpts = os.path.join(run, 'checkpoints')
+  # What a save killed mid-write leaves: an uncommitted temporary step.
+  broken = os.path.join(ckpts, '4.orbax-checkpoint-tmp-1234567')
+  os.makedirs(os.path.join(broken, 'state'))
+  with open(os.path.join(broken, 'state', 'garbage'), 'w') as f:
+    f.write('half')
+  summary, _ = _train(tiny_config(train={'run_dir': run, 'steps': 4}),
+                      jax.devices()[:1])
+  assert summary['resumed_from'] == 3 and summary['step'] == 4
+
+
+def test_poisoned_gradient_is_skipped_and_counted(tiny_config):
+  config = tiny_config()
+  setup = training.build(config, jax.devices()[:1])
+  state = setup.init_state()
+  before = jax.tree.map(np.asarray, state)
+  x = jnp.zeros((8, 32), jnp.int32)
+  poisoned = jax.tree.map(lambda p: p, state)
+  poisoned['params'] = dict(state['params'])
+  poisoned['params']['embed'] = state['params']['embed'].at[0, 0].set(jnp.nan)
+  new, metrics = setup.train_step(poisoned, x, x)
+  assert not bool(metrics['finite'])
+  assert int(new['nonfinite']) == 1 and int(new['step']) == 1
+  for a, b in zip(jax.tree.leaves(before['opt_state']),
+                  jax.tree.leaves(new['opt_state'])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(
+      np.asarray(new['params']['norm']['scale']),
+      before['params']['norm']['scale'])
+
+
+def test_default_run_from_the_command_line(tmp_path):
+  """The README's `python train.py`, shortened by overrides."""
+  cmd = [sys.executable, 'train.py', '--set', 'train.steps=6',
+         'train.eval_every=3', 'train.log_every=3', 'data.seq_len=32',
+         f'train.run_dir={tmp_path / "run"}']
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert 'done: step 6' in out.stdout
+  run = tmp_path / 'run'
+  assert (run / 'config.json').exists() and (run / 'metrics.jsonl').exists()
+  assert os.listdir(run / 'checkpoints')
+  bad = subprocess.run(cmd + ['train.batch_size=abc'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+  assert bad.returncode == 2
+  assert "train.batch_size='abc': expected a value of type int" in bad.stderr
