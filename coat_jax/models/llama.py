@@ -235,11 +235,19 @@ class Llama(nnx.Module):
     self.embed = partitioning.make_param(
         init, rngs.params(), (config.vocab_size, config.hidden_size),
         param_dtype, ('vocab', 'embed'))
-    self.layers = nnx.List([
-        DecoderLayer(config, precision=precision, dtype=dtype,
-                     param_dtype=param_dtype, implementation=implementation,
-                     rngs=rngs)
-        for _ in range(config.num_layers)])
+
+    # The decoder layers are one module with stacked params (a leading
+    # num_layers axis), applied with nnx.scan: the compiled step (and the
+    # optimizer's per-leaf work) does not grow with depth.
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: None})
+    def make_layers(rngs):
+      return DecoderLayer(config, precision=precision, dtype=dtype,
+                          param_dtype=param_dtype,
+                          implementation=implementation, rngs=rngs)
+
+    self.layers = make_layers(rngs)
     # The final norm is BF16 in every mode (as in COAT).
     self.norm = CoatRMSNorm(
         config.hidden_size, epsilon=config.rms_norm_eps, dtype=dtype,
@@ -266,9 +274,12 @@ class Llama(nnx.Module):
     seq = _check_tokens(tokens, self.config)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
     cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta)
-    for layer in self.layers:
-      x = layer(x, cos, sin)
-    return self.norm(x)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run_layers(x, layer):
+      return layer(x, cos, sin)
+
+    return self.norm(run_layers(x, self.layers))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """int tokens (B, S) -> float32 logits (B, S, V)."""

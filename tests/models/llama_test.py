@@ -78,17 +78,19 @@ def test_param_dtypes_and_logical_axes():
   assert {str(x.dtype) for x in jax.tree.leaves(state)} == {'float32'}
   specs = nnx.get_partition_spec(state)
   assert tuple(specs['embed'].get_value()) == ('vocab', 'embed')
-  layer = specs['layers'][0]
+  # Layers are stacked along a leading, unsharded layer axis.
+  layer = specs['layers']
+  assert state['layers']['mlp']['down_proj']['kernel'].shape == (2, 176, 64)
   assert tuple(layer['mlp']['down_proj']['kernel'].get_value()) == (
-      'mlp', 'embed')
+      None, 'mlp', 'embed')
   assert tuple(layer['attn']['k_proj']['kernel'].get_value()) == (
-      'embed', 'kv_heads')
+      None, 'embed', 'kv_heads')
   assert tuple(specs['lm_head'].get_value()) == ('embed', 'vocab')
   # The rules map the names onto a (data, fsdp, tensor) mesh.
   with nnx.logical_axis_rules(cnn.LOGICAL_AXIS_RULES):
     specs = nnx.get_partition_spec(state)
-  gate = specs['layers'][0]['mlp']['gate_proj']['kernel']
-  assert tuple(gate.get_value()) == ('fsdp', 'tensor')
+  gate = specs['layers']['mlp']['gate_proj']['kernel']
+  assert tuple(gate.get_value()) == (None, 'fsdp', 'tensor')
 
 
 def test_bad_input_errors():

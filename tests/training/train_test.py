@@ -64,16 +64,18 @@ def test_fp8_state_carries_the_param_sharding(tiny_config):
   state = setup.init_state()
   mu = state['opt_state'][1][0].mu
   params = state['params']
-  kernel = params['layers'][0]['mlp']['up_proj']['kernel']
-  q = mu['layers'][0]['mlp']['up_proj']['kernel']
+  kernel = params['layers']['mlp']['up_proj']['kernel']  # (layers, 64, 176)
+  q = mu['layers']['mlp']['up_proj']['kernel']
   assert isinstance(q, quant.QuantizedArray)
   assert kernel.sharding.spec == q.values.sharding.spec
-  assert kernel.sharding.spec[0] == 'fsdp'
+  assert tuple(kernel.sharding.spec) == (None, 'fsdp', None)
   assert q.scale.sharding.spec == kernel.sharding.spec
-  # A param whose last axis would split groups is not sharded there.
-  down = params['layers'][0]['mlp']['down_proj']['kernel']  # (176, 64)
-  assert down.sharding.spec == jax.sharding.PartitionSpec('tensor', None) or (
-      down.sharding.spec[-1] is None)
+  # o_proj (layers, 64 heads, 64 embed): 'embed' -> fsdp on the last axis
+  # would leave 8 elements per shard, splitting the groups of 16: dropped.
+  o = params['layers']['attn']['o_proj']['kernel']
+  assert tuple(o.sharding.spec) == (None, None, None)
+  assert mu['layers']['attn']['o_proj']['kernel'].values.sharding.spec == (
+      o.sharding.spec)
 
 
 def test_ctrl_c_saves_and_resume_is_bit_exact(tiny_config, tmp_path,
