@@ -61,7 +61,8 @@ def quantize_per_group(
   dt = _common.fp8_dtype(dtype)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f'x has dtype {x.dtype}; quantization needs floats.')
+    raise TypeError(f'x has dtype {x.dtype}; quantization needs a floating'
+                    ' array (cast with x.astype(jnp.float32)).')
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   if impl == 'pallas' and _pallas_ok(group_size):

@@ -46,7 +46,8 @@ def quantize_per_tensor(
         ' jnp.bfloat16.')
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f'x has dtype {x.dtype}; quantization needs floats.')
+    raise TypeError(f'x has dtype {x.dtype}; quantization needs a floating'
+                    ' array (cast with x.astype(jnp.float32)).')
   if amax is not None and jnp.shape(amax) != ():
     raise ValueError(f'amax must be a scalar, got shape {jnp.shape(amax)}.')
   impl, interpret = _common.resolve_implementation(
