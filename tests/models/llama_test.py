@@ -218,9 +218,8 @@ def test_train_step_memory_analysis():
     print(f'{precision:>10}: temp {mem.temp_size_in_bytes / 2**20:8.1f} MiB,'
           f' args {mem.argument_size_in_bytes / 2**20:7.1f} MiB,'
           f' out {mem.output_size_in_bytes / 2**20:7.1f} MiB')
-  # On CPU the peak is set by XLA attention's S^2 buffers, the loss chunks and
-  # the embedding gradient, not by the layers' saved activations, so the
-  # three modes land within a few percent; benchmarks/layers.py measures the
-  # GPU (cuDNN attention). Here: the step compiles and reports sane sizes.
-  for precision in MODES:
-    assert 0 < stats[precision] < 1.1 * stats['bf16']
+  # With the layers under nnx.scan, what backward keeps is the stacked
+  # per-layer residuals, so the modes separate (measured: 1591, 1415 and
+  # 1098 MiB for bf16, fp8_linear and coat).
+  assert stats['coat'] < stats['fp8_linear'] < stats['bf16']
+  assert stats['coat'] < 0.75 * stats['bf16']
