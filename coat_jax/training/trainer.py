@@ -5,6 +5,8 @@ import functools
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -257,11 +259,17 @@ def train(config: config_lib.Config, devices=None) -> dict:
                'train_loss': math.nan, 'val_loss': math.nan,
                'tokens_per_s': math.nan}
     recent, tick, tick_step = [], time.perf_counter(), step
+    ctrl_c = _CtrlC()
     try:
-      while step < t.steps:
+      while step < t.steps and not ctrl_c.pressed:
         state, metrics = setup.train_step(state, *batch('train', step))
         step += 1
         bar.update(1)
+        if t.on_nonfinite == 'stop' and not bool(metrics['finite']):
+          raise NonFiniteError(
+              f'step {step}: loss or gradients are not finite; the step was'
+              ' skipped and the state is the one before it'
+              ' (train.on_nonfinite=stop).')
         if step % t.log_every == 0 or step == t.steps:
           metrics = jax.device_get(metrics)
           now = time.perf_counter()
@@ -277,10 +285,6 @@ def train(config: config_lib.Config, devices=None) -> dict:
           bar.set_postfix(loss=f'{record["loss"]:.3f}',
                           tok_s=f'{tok_s:,.0f}')
           summary['tokens_per_s'] = tok_s
-          if not metrics['finite'] and t.on_nonfinite == 'stop':
-            raise NonFiniteError(
-                f'step {step}: loss or gradients are not finite; the state is'
-                ' the one before this step (train.on_nonfinite=stop).')
         if step % t.eval_every == 0 or step == t.steps:
           val = evaluate()
           summary['val_loss'] = val
@@ -290,12 +294,15 @@ def train(config: config_lib.Config, devices=None) -> dict:
         if t.checkpoint_every and (step % t.checkpoint_every == 0
                                    or step == t.steps):
           _save(checkpointer, step, state)
+      if ctrl_c.pressed:
+        raise KeyboardInterrupt
     except KeyboardInterrupt:
       summary['interrupted'] = True
       _save(checkpointer, int(state['step']), state, wait=True)
       bar.write(f'interrupted: saved step {int(state["step"])} to'
                 f' {checkpointer.directory}; run the same command to resume.')
     finally:
+      ctrl_c.restore()
       bar.close()
       log.close()
       checkpointer.close()
@@ -304,6 +311,30 @@ def train(config: config_lib.Config, devices=None) -> dict:
       train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
       peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir))
   return summary
+
+
+class _CtrlC:
+  """Turns the first Ctrl-C into a flag the loop checks between steps.
+
+  A KeyboardInterrupt in the middle of a step could land after the state's
+  buffers were donated to it, leaving nothing to save; the flag stops the
+  loop at a step boundary instead. A second Ctrl-C interrupts at once.
+  """
+
+  def __init__(self):
+    self.pressed = False
+    self._previous = None
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+
+  def _handle(self, signum, frame):
+    if self.pressed:
+      signal.default_int_handler(signum, frame)
+    self.pressed = True
+
+  def restore(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
 
 
 def _save(checkpointer: Checkpointer, step: int, state: Any, *,

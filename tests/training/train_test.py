@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +187,58 @@ def test_default_run_from_the_command_line(tmp_path):
                        capture_output=True, text=True, timeout=600)
   assert bad.returncode == 2
   assert "train.batch_size='abc': expected a value of type int" in bad.stderr
+
+
+def _poison_call(n):
+  """A `build` whose n-th train step sees an out-of-vocabulary token: the
+  embedding lookup fills it with NaN, so loss and gradients are NaN."""
+  build = trainer.build
+
+  def patched(*args, **kwargs):
+    setup = build(*args, **kwargs)
+    step, calls = setup.train_step, []
+
+    def poisoned(state, inputs, targets):
+      calls.append(1)
+      if len(calls) == n:
+        inputs = inputs.at[0, 0].set(10**6)
+      return step(state, inputs, targets)
+
+    setup.train_step = poisoned
+    return setup
+
+  return patched
+
+
+@pytest.mark.parametrize('mode', ['skip', 'stop'])
+def test_nonfinite_steps_in_a_run(tiny_config, monkeypatch, mode):
+  monkeypatch.setattr(trainer, 'build', _poison_call(2))
+  config = tiny_config(train={'on_nonfinite': mode, 'steps': 4})
+  if mode == 'stop':
+    with pytest.raises(training.NonFiniteError, match='step 2: loss or'):
+      training.train(config, devices=jax.devices()[:1])
+    return
+  summary, losses = _train(config, jax.devices()[:1])
+  assert summary['nonfinite_steps'] == 1 and summary['step'] == 4
+  assert np.isnan(losses[1]) and np.isfinite([losses[0]] + losses[2:]).all()
+
+
+def test_ctrl_c_on_the_command_line_saves_and_exits(tmp_path):
+  """A real SIGINT during training: checkpoint, message, exit code 130."""
+  run = tmp_path / 'run'
+  cmd = [sys.executable, 'train.py', '--set', 'train.steps=100000',
+         'train.log_every=1', 'train.checkpoint_every=0', 'data.seq_len=32',
+         'train.batch_size=8', f'train.run_dir={run}']
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  metrics = run / 'metrics.jsonl'
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None and not (
+      metrics.exists() and metrics.read_text().count('\n') >= 2):
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130, err[-3000:]
+  assert 'interrupted: saved step' in out + err
+  steps = [int(d) for d in os.listdir(run / 'checkpoints') if d.isdigit()]
+  assert steps and 'done: step' in out
