@@ -217,3 +217,34 @@ def tile_mask(
   r = pid_rows * block[0] + lax.broadcasted_iota(jnp.int32, block, 0)
   c = pid_cols * block[1] + lax.broadcasted_iota(jnp.int32, block, 1)
   return (r < bound[0]) & (c < bound[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupBlockSizes:
+  """Static tiling of a (rows, cols) view whose groups run along cols.
+
+  Attributes:
+    block_rows: rows of a tile (a power of two); None picks one.
+    block_cols: columns of a tile (a power of two and a multiple of the group
+      size, so a tile holds whole groups); None picks one.
+    num_warps: warps per program.
+    target: elements per tile when the sizes are picked from the shape.
+    max_cols: the largest block_cols picked from the shape.
+  """
+
+  block_rows: int | None = None
+  block_cols: int | None = None
+  num_warps: int = 4
+  target: int = 4096
+  max_cols: int = 1024
+
+  def resolve(self, rows: int, cols: int, group_size: int) -> tuple[int, int]:
+    """(block_rows, block_cols) for a (rows, cols) array."""
+    bc = self.block_cols or min(
+        max(group_size, next_pow2(cols)), max(group_size, self.max_cols))
+    br = self.block_rows or min(next_pow2(rows), max(1, self.target // bc))
+    if bc % group_size or bc & (bc - 1) or br & (br - 1):
+      raise ValueError(
+          f'block sizes ({br}, {bc}) must be powers of two and block_cols a'
+          f' multiple of group_size={group_size}.')
+    return br, bc

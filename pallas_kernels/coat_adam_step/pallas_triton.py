@@ -25,32 +25,10 @@ _HP_NAMES = ('c1', 'b1', 'c2', 'b2', 'bc1', 'bc2', 'eps', 'wd', 'neg_lr')
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Static tiling (powers of two). None picks a size from the shape.
+class BlockSizes(_common.GroupBlockSizes):
+  """Tiles of the fused step: smaller than the quantizers' (measured)."""
 
-  Attributes:
-    block_rows: rows of a tile.
-    block_cols: columns of a tile, a multiple of the group size.
-    num_warps: warps per program.
-    target: elements per tile when the sizes are picked from the shape.
-  """
-
-  block_rows: int | None = None
-  block_cols: int | None = None
-  num_warps: int = 4
   target: int = 1024
-
-  def resolve(self, rows: int, cols: int, group_size: int) -> tuple[int, int]:
-    bc = self.block_cols or min(
-        max(group_size, _common.next_pow2(cols)),
-        max(group_size, self.target))
-    br = self.block_rows or min(
-        _common.next_pow2(rows), max(1, self.target // bc))
-    if bc % group_size or bc & (bc - 1) or br & (br - 1):
-      raise ValueError(
-          f'block sizes ({br}, {bc}) must be powers of two and block_cols a'
-          f' multiple of group_size={group_size}.')
-    return br, bc
 
 
 def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,

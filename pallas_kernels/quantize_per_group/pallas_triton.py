@@ -22,31 +22,8 @@ from pallas_kernels.quantize_per_group import reference
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Static tiling. None picks a size from the shape.
-
-  Attributes:
-    block_rows: rows of a tile (power of two).
-    block_cols: columns of a tile (power of two, multiple of the group size).
-    num_warps: warps per program.
-    target: elements per tile when the sizes are picked from the shape.
-  """
-
-  block_rows: int | None = None
-  block_cols: int | None = None
-  num_warps: int = 4
-  target: int = 4096
-
-  def resolve(self, rows: int, cols: int, group_size: int) -> tuple[int, int]:
-    bc = self.block_cols or min(
-        max(group_size, _common.next_pow2(cols)), max(group_size, 1024))
-    br = self.block_rows or min(
-        _common.next_pow2(rows), max(1, self.target // bc))
-    if bc % group_size or bc & (bc - 1) or br & (br - 1):
-      raise ValueError(
-          f'block sizes ({br}, {bc}) must be powers of two and block_cols a'
-          f' multiple of group_size={group_size}.')
-    return br, bc
+class BlockSizes(_common.GroupBlockSizes):
+  """Tiles of the per-group quantizers (defaults measured on an H200)."""
 
 
 def _grid(rows: int, cols: int, br: int, bc: int):
