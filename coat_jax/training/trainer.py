@@ -1,7 +1,6 @@
 """The training loop: sharded jit steps, evaluation, checkpoints, faults."""
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -83,8 +82,8 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   precision = config.model.precision
 
   def make_model():
-    # Placement comes from this module's fitted rules (the jit's
-    # out_shardings), not from eager sharding by the logical names.
+    # Placement comes from this module's fitted rules, not from eager
+    # sharding by the logical names.
     with nnx.use_eager_sharding(False):
       return llama.Llama(model_cfg, precision=precision,
                          rngs=nnx.Rngs(config.train.seed))
@@ -95,13 +94,15 @@ def build(config: config_lib.Config, devices=None) -> Setup:
            nnx.to_flat_state(nnx.state(abstract_model, nnx.Param))}
   tx = make_optimizer(config)
 
-  def init_state():
-    params = nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
+  def model_params():
+    return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
+
+  def new_state(params):
     return {'params': params, 'opt_state': tx.init(params),
             'step': jnp.zeros((), jnp.int32),
             'nonfinite': jnp.zeros((), jnp.int32)}
 
-  abstract_state = jax.eval_shape(init_state)
+  abstract_state = jax.eval_shape(lambda: new_state(model_params()))
   group = (config.optim.group_size if config.optim.name == 'coat_adamw'
            else None)
   axis_names = jax.tree_util.tree_map_with_path(
@@ -163,8 +164,11 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   return Setup(
       config=config, mesh=mesh, graphdef=graphdef, tx=tx,
       state_shardings=state_shardings, abstract_state=abstract_state,
-      init_state=functools.partial(_init_placed, make_model, tx,
-                                   state_shardings),
+      # Params are initialized eagerly, then placed: jit-compiling the
+      # initializers of the 1b model took over 2 minutes on an H100.
+      init_state=lambda: jax.jit(
+          new_state, out_shardings=state_shardings, donate_argnums=0)(
+              jax.device_put(model_params(), state_shardings['params'])),
       train_step=jax.jit(
           train_step, in_shardings=(state_shardings, batch_sharding,
                                     batch_sharding),
@@ -174,23 +178,6 @@ def build(config: config_lib.Config, devices=None) -> Setup:
                                    batch_sharding),
           out_shardings=replicated),
   )
-
-
-def _init_placed(make_model, tx, shardings) -> dict:
-  """A fresh state on its shardings.
-
-  The params are initialized eagerly and then placed: jit-compiling the
-  initializers of a 1B model took over 2 minutes on an H100 (RESULTS.md).
-  """
-  params = jax.device_put(
-      nnx.to_pure_dict(nnx.state(make_model(), nnx.Param)),
-      shardings['params'])
-  return {'params': params,
-          'opt_state': jax.jit(tx.init, out_shardings=shardings['opt_state'])(
-              params),
-          'step': jax.device_put(jnp.zeros((), jnp.int32), shardings['step']),
-          'nonfinite': jax.device_put(jnp.zeros((), jnp.int32),
-                                      shardings['nonfinite'])}
 
 
 def _key(k: Any) -> Any:
@@ -204,8 +191,8 @@ def device_batch(batch: np.ndarray, sharding_: jax.sharding.Sharding):
 
 
 def state_is_finite(state: Any) -> bool:
-  leaves = [x for x in jax.tree.leaves(state['params'])]
-  return bool(all(jnp.all(jnp.isfinite(x)) for x in leaves))
+  return all(bool(jnp.all(jnp.isfinite(x)))
+             for x in jax.tree.leaves(state['params']))
 
 
 def _peak_memory() -> int | None:

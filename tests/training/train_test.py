@@ -38,6 +38,20 @@ def test_three_steps_in_each_precision(tiny_config, precision):
   assert summary['step'] == 3 and summary['nonfinite_steps'] == 0
 
 
+def test_microbatches_accumulate_the_same_gradient(tiny_config, tmp_path):
+  one = tiny_config(train={'run_dir': str(tmp_path / 'one')})
+  two = tiny_config(train={'run_dir': str(tmp_path / 'two'),
+                           'microbatches': 2})
+  _, losses_one = _train(one, jax.devices()[:1])
+  summary, losses_two = _train(two, jax.devices()[:1])
+  assert summary['step'] == 3
+  # Step 1 sees the same params: the mean of the two halves' losses is the
+  # whole batch's loss. Later steps differ by FP8 scales taken per
+  # microbatch (per-tensor amax of each half) and float reordering.
+  np.testing.assert_allclose(losses_two[0], losses_one[0], rtol=1e-5)
+  np.testing.assert_allclose(losses_two, losses_one, rtol=2e-2)
+
+
 # Sharded runs repeat the single-device run: same data, same math, only the
 # reduction order of the sharded matmuls differs. FP8 rounding can amplify a
 # last-bit difference into one quantization step, hence 2e-3 relative.
