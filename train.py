@@ -10,6 +10,23 @@ import os
 import sys
 
 
+def _maybe_initialize_distributed() -> None:
+  """Joins a multi-process run when JAX_COORDINATOR_ADDRESS is set.
+
+  JAX_NUM_PROCESSES and JAX_PROCESS_ID give this process's place; without
+  them jax detects the cluster (SLURM, Open MPI, ...).
+  """
+  if not os.environ.get('JAX_COORDINATOR_ADDRESS'):
+    return
+  import jax  # noqa: PLC0415 (must precede any other use of jax)
+
+  # CPU processes need a collectives backend to talk to each other.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  env = lambda name: (int(os.environ[name]) if name in os.environ else None)
+  jax.distributed.initialize(num_processes=env('JAX_NUM_PROCESSES'),
+                             process_id=env('JAX_PROCESS_ID'))
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--config', help='a configs/*.py file (default: the'
@@ -17,9 +34,7 @@ def main(argv=None) -> int:
   parser.add_argument('--set', nargs='+', default=[], action='extend',
                       metavar='SECTION.FIELD=VALUE', help='override fields')
   args = parser.parse_args(argv)
-  if os.environ.get('JAX_COORDINATOR_ADDRESS'):
-    import jax  # noqa: PLC0415
-    jax.distributed.initialize()
+  _maybe_initialize_distributed()
 
   from coat_jax import training  # noqa: PLC0415 (after distributed init)
 

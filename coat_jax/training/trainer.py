@@ -238,7 +238,9 @@ def train(config: config_lib.Config, devices=None) -> dict:
                 for i in range(t.eval_batches)]
       return float(np.mean(jax.device_get(losses)))
 
-    log = open(os.path.join(t.run_dir, 'metrics.jsonl'), 'a')
+    # One process writes the log; every process computes the same metrics.
+    log = (open(os.path.join(t.run_dir, 'metrics.jsonl'), 'a') if lead
+           else open(os.devnull, 'w'))
     step = int(state['step'])
     bar = tqdm.tqdm(total=t.steps, initial=step, disable=not (
         lead and t.progress_bar), dynamic_ncols=True, desc='train')

@@ -256,3 +256,32 @@ def test_ctrl_c_on_the_command_line_saves_and_exits(tmp_path):
   assert 'interrupted: saved step' in out + err
   steps = [int(d) for d in os.listdir(run / 'checkpoints') if d.isdigit()]
   assert steps and 'done: step' in out
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+  """jax.distributed through train.py: 2 processes x 4 CPU devices give the
+  losses of 1 process x 8 devices (same mesh, same data)."""
+  args = ['train.steps=3', 'train.log_every=1', 'data.seq_len=32',
+          'train.progress_bar=false', 'mesh.data=8']
+
+  def launch(run, env_extra, n):
+    env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count'
+               f'={8 // n}', **env_extra)
+    return subprocess.Popen(
+        [sys.executable, 'train.py', '--set', *args, f'train.run_dir={run}'],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+
+  port = 20000 + os.getpid() % 10000
+  procs = [launch(tmp_path / 'multi', {
+      'JAX_COORDINATOR_ADDRESS': f'localhost:{port}',
+      'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': str(i)}, 2)
+      for i in range(2)]
+  single = launch(tmp_path / 'single', {}, 1)
+  for p in procs + [single]:
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+  multi = _losses(tmp_path / 'multi')
+  assert len(multi) == 3  # one process writes the log
+  np.testing.assert_allclose(multi, _losses(tmp_path / 'single'), rtol=1e-5)
