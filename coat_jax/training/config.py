@@ -46,6 +46,7 @@ class OptimConfig:
   group_size: int = 128
   moment_dtypes: tuple[str, ...] = ('e4m3', 'e4m3')
   expansion: bool = True
+  fused: bool = False  # one fused pass per leaf (coat_adamw, FP8 moments)
 
 
 @dataclasses.dataclass
@@ -220,6 +221,9 @@ def validate(config: Config, num_devices: int) -> None:
   if t.checkpoint_every < 0:
     raise ValueError('train.checkpoint_every must be >= 0 (0: only on'
                      ' Ctrl-C).')
+  if o.fused and (o.name != 'coat_adamw' or 'float32' in o.moment_dtypes):
+    raise ValueError('optim.fused=true needs optim.name=coat_adamw with FP8'
+                     f' moments (got {o.name}, {o.moment_dtypes}).')
   if not 0 < d.val_fraction < 1:
     raise ValueError(f'data.val_fraction={d.val_fraction} must be in (0, 1).')
   if d.source != 'stdlib' and not d.paths:

@@ -37,24 +37,46 @@ def llama_config(model: config_lib.ModelConfig) -> llama.LlamaConfig:
   return llama.LlamaConfig.preset(model.preset, **overrides)
 
 
-def make_optimizer(config: config_lib.Config) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW (COAT FP8 or optax) on a warmup-cosine
-  schedule. Weight decay applies to matrices only (not norms)."""
+def _adamw_args(config: config_lib.Config) -> dict:
+  """AdamW on a warmup-cosine schedule; weight decay on matrices only."""
   o, t = config.optim, config.train
   warmup = min(o.warmup_steps, t.steps - 1)
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, o.learning_rate, warmup, max(t.steps, warmup + 1),
       end_value=o.learning_rate * o.end_learning_rate_ratio)
-  mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return dict(learning_rate=schedule, b1=o.b1, b2=o.b2, eps=o.eps,
+              weight_decay=o.weight_decay,
+              mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+
+
+def make_optimizer(config: config_lib.Config) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW (COAT FP8 or optax)."""
+  o = config.optim
   if o.name == 'coat_adamw':
     adamw = optim.coat_adamw(
-        schedule, o.b1, o.b2, o.eps, o.weight_decay, mask,
-        group_size=o.group_size, moment_dtypes=tuple(o.moment_dtypes),
-        expansion=o.expansion)
+        **_adamw_args(config), group_size=o.group_size,
+        moment_dtypes=tuple(o.moment_dtypes), expansion=o.expansion)
   else:
-    adamw = optax.adamw(schedule, o.b1, o.b2, o.eps,
-                        weight_decay=o.weight_decay, mask=mask)
+    adamw = optax.adamw(**_adamw_args(config))
   return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
+
+
+def _fused_update(config: config_lib.Config):
+  """(grads, opt_state, params) -> (params, opt_state) through
+  `fused_coat_adamw`, on the state of `make_optimizer(config)`."""
+  o = config.optim
+  clip = optax.clip_by_global_norm(o.clip_norm)
+  apply = optim.fused_coat_adamw(**_adamw_args(config),
+                                 group_size=o.group_size,
+                                 expansion=o.expansion)
+
+  def update(grads, opt_state, params):
+    clip_state, adamw_state = opt_state
+    grads, clip_state = clip.update(grads, clip_state)
+    params, adamw_state = apply(grads, adamw_state, params)
+    return params, (clip_state, adamw_state)
+
+  return update
 
 
 @dataclasses.dataclass
@@ -93,6 +115,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   names = {path: v.get_metadata().get('out_sharding') for path, v in
            nnx.to_flat_state(nnx.state(abstract_model, nnx.Param))}
   tx = make_optimizer(config)
+  fused_update = _fused_update(config) if config.optim.fused else None
 
   def model_params():
     return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
@@ -144,8 +167,11 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       loss, grads = jax.tree.map(lambda x: x / n, (loss, grads))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state['opt_state'], params)
-    new_params = optax.apply_updates(params, updates)
+    if fused_update is None:
+      updates, opt_state = tx.update(grads, state['opt_state'], params)
+      new_params = optax.apply_updates(params, updates)
+    else:
+      new_params, opt_state = fused_update(grads, state['opt_state'], params)
     # A non-finite step changes nothing but the step and the fault count.
     keep = lambda new, old: jax.tree.map(
         lambda a, b: jnp.where(finite, a, b), new, old)

@@ -60,9 +60,10 @@ def test_bad_overrides(override, message):
     ('train.microbatches=3', 1, 'multiple of train.microbatches'),
     ('data.source=text', 1, 'needs data.paths'),
     ('train.steps=0', 1, 'train.steps must be positive'),
+    ('optim.fused=true optim.name=adamw', 1, 'optim.fused=true needs'),
 ])
 def test_bad_configs(override, devices, message):
-  config = training.apply_overrides(training.Config(), [override])
+  config = training.apply_overrides(training.Config(), override.split())
   with pytest.raises(ValueError, match=message):
     training.validate(config, devices)
 

@@ -52,6 +52,16 @@ def test_microbatches_accumulate_the_same_gradient(tiny_config, tmp_path):
   np.testing.assert_allclose(losses_two, losses_one, rtol=2e-2)
 
 
+def test_fused_optimizer_step_trains_like_the_optax_path(tiny_config,
+                                                       tmp_path):
+  plain = tiny_config(train={'run_dir': str(tmp_path / 'plain')})
+  fused = tiny_config(train={'run_dir': str(tmp_path / 'fused')},
+                      optim={'fused': True})
+  _, losses_plain = _train(plain, jax.devices()[:1])
+  _, losses_fused = _train(fused, jax.devices()[:1])
+  np.testing.assert_allclose(losses_fused, losses_plain, rtol=1e-4)
+
+
 # Sharded runs repeat the single-device run: same data, same math, only the
 # reduction order of the sharded matmuls differs. FP8 rounding can amplify a
 # last-bit difference into one quantization step, hence 2e-3 relative.

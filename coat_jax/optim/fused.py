@@ -1,0 +1,81 @@
+"""COAT AdamW as one fused pass per leaf: param, grad, m, v in; param, m, v out.
+
+`coat_adamw` is an optax transformation: it returns updates, which
+`optax.apply_updates` then adds, so an XLA step reads and writes every param
+and update twice more. `fused_coat_adamw` gives the same step on the same
+state as one call per leaf to `pallas_kernels.coat_adam_step` (the Pallas
+kernel on a Hopper GPU, its jnp reference elsewhere).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from optax._src import numerics
+
+from coat_jax.optim.coat_adam import ScaleByCoatAdamState
+from coat_jax.optim.coat_adam import _is_moment
+from pallas_kernels.coat_adam_step import api as fused_step
+
+
+def fused_coat_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    group_size: int = 128,
+    expansion: bool = True,
+    implementation: str | None = None,
+) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+  """`apply(grads, state, params) -> (new_params, new_state)`.
+
+  The state is that of `coat_adamw(...)` with the same arguments (FP8
+  moments in both slots); the result equals `tx.update` followed by
+  `optax.apply_updates` up to float rounding of the fused arithmetic. Under
+  `jax.jit`, donate params and state so the kernel updates them in place.
+
+  Args:
+    learning_rate, b1, b2, eps, weight_decay, mask, group_size, expansion:
+      as for `coat_adamw`.
+    implementation: None (the fastest available), 'xla' or 'pallas'.
+  """
+
+  def apply(grads, state, params):
+    adam, decay_state, lr_state = state
+    if not isinstance(adam, ScaleByCoatAdamState):
+      raise TypeError('state must come from coat_adamw(...).init, got'
+                      f' {type(adam).__name__} in its first slot.')
+    count = numerics.safe_increment(adam.count)
+    if callable(learning_rate):
+      lr = learning_rate(lr_state.count)
+      lr_state = lr_state._replace(
+          count=numerics.safe_increment(lr_state.count))
+    else:
+      lr = learning_rate
+    if mask is None:
+      decay = jax.tree.map(lambda _: True, params)
+    else:
+      decay = mask(params) if callable(mask) else mask
+    treedef = jax.tree.structure(params)
+    mus = treedef.flatten_up_to(adam.mu)
+    nus = treedef.flatten_up_to(adam.nu)
+    if not all(_is_moment(m) for m in mus + nus):
+      raise ValueError('fused_coat_adamw needs FP8 moments in both slots'
+                       ' (moment_dtypes without "float32").')
+    out = [
+        fused_step.coat_adam_step(
+            p, g, m, v, count, learning_rate=lr, b1=b1, b2=b2, eps=eps,
+            weight_decay=weight_decay if d else None, group_size=group_size,
+            expansion=expansion, implementation=implementation)
+        for p, g, m, v, d in zip(
+            jax.tree.leaves(params), treedef.flatten_up_to(grads), mus, nus,
+            treedef.flatten_up_to(decay), strict=True)]
+    new = lambda i: treedef.unflatten([o[i] for o in out])
+    return new(0), (ScaleByCoatAdamState(count, new(1), new(2)),
+                    decay_state, lr_state)
+
+  return apply
