@@ -219,6 +219,29 @@ def tile_mask(
   return (r < bound[0]) & (c < bound[1])
 
 
+def group_tile(
+    block: tuple[int, int], ncb: int, rows: int, cols: int, group_size: int
+) -> tuple[int, jax.Array, jax.Array]:
+  """This program's tile of a (rows, cols) view with groups along cols.
+
+  Args:
+    block: (block_rows, block_cols) of the tile; block_cols holds whole groups.
+    ncb: tiles per row of tiles (the grid is flattened row-major).
+    rows, cols: the view's shape.
+    group_size: elements per group.
+
+  Returns:
+    (groups per tile row, element mask (block), group mask (block_rows,
+    groups per tile row)).
+  """
+  pid = pl.program_id(0)
+  i, j = pid // ncb, pid % ncb
+  ng = block[1] // group_size
+  mask = tile_mask(i, j, block, (rows, cols))
+  gmask = tile_mask(i, j, (block[0], ng), (rows, pl.cdiv(cols, group_size)))
+  return ng, mask, gmask
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupBlockSizes:
   """Static tiling of a (rows, cols) view whose groups run along cols.

@@ -39,13 +39,8 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
   k = 3 if expansion else 2
   mu_in, nu_in = ins[2:2 + k], ins[2 + k:]
   p_out, mu_out, nu_out = outs[0], outs[1:1 + k], outs[1 + k:]
-  pid = pl.program_id(0)
-  i, j = pid // ncb, pid % ncb
   br, bc = p_ref.shape
-  ng = bc // group_size
-  mask = _common.tile_mask(i, j, (br, bc), (rows, cols))
-  gmask = _common.tile_mask(
-      i, j, (br, ng), (rows, pl.cdiv(cols, group_size)))
+  ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
   hp = {name: hp_ref[n] for n, name in enumerate(_HP_NAMES)}
 
   def load(ref, m, fill):

@@ -37,13 +37,8 @@ def _spec(block, ncb):
 
 def _quantize_kernel(x_ref, *out_refs, rows, cols, ncb, group_size, dtype,
                      expansion, scale_dtype, ops):
-  pid = pl.program_id(0)
-  i, j = pid // ncb, pid % ncb
   br, bc = x_ref.shape
-  ng = bc // group_size
-  mask = _common.tile_mask(i, j, (br, bc), (rows, cols))
-  gmask = _common.tile_mask(
-      i, j, (br, ng), (rows, pl.cdiv(cols, group_size)))
+  ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
   x = pltriton.load(x_ref, mask=mask).astype(jnp.float32)
   x = jnp.where(mask, x, 0.0)
   values, scale, exponent = reference.encode_groups(
@@ -98,13 +93,8 @@ def quantize_per_group(
 def _dequantize_kernel(v_ref, s_ref, *refs, rows, cols, ncb, group_size,
                        fp8_max, expansion, ops):
   e_ref, o_ref = refs if expansion else (None, refs[0])
-  pid = pl.program_id(0)
-  i, j = pid // ncb, pid % ncb
   br, bc = v_ref.shape
-  ng = bc // group_size
-  mask = _common.tile_mask(i, j, (br, bc), (rows, cols))
-  gmask = _common.tile_mask(
-      i, j, (br, ng), (rows, pl.cdiv(cols, group_size)))
+  ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
   q = jnp.where(mask, pltriton.load(v_ref, mask=mask).astype(jnp.float32), 0.)
   scale = pltriton.load(s_ref, mask=gmask)
   exponent = None
