@@ -54,6 +54,9 @@ class LlamaConfig:
     rms_norm_eps: RMSNorm epsilon.
     tie_embeddings: use the embedding table as the LM head.
     init_std: std of the normal initializer of all matrices.
+    scan_layers: run the stacked decoder layers under `nnx.scan` (compile
+      time independent of depth) rather than unrolled (XLA may fuse and
+      schedule across layers).
   """
 
   vocab_size: int = 32000
@@ -67,6 +70,7 @@ class LlamaConfig:
   rms_norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
+  scan_layers: bool = True
 
   def __post_init__(self):
     for name in ('vocab_size', 'hidden_size', 'intermediate_size',
@@ -275,11 +279,17 @@ class Llama(nnx.Module):
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
     cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta)
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def run_layers(x, layer):
-      return layer(x, cos, sin)
+    if self.config.scan_layers:
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def run_layers(x, layer):
+        return layer(x, cos, sin)
 
-    return self.norm(run_layers(x, self.layers))
+      return self.norm(run_layers(x, self.layers))
+    graphdef, stacked = nnx.split(self.layers)
+    for i in range(self.config.num_layers):
+      layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+      x = layer(x, cos, sin)
+    return self.norm(x)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """int tokens (B, S) -> float32 logits (B, S, V)."""

@@ -28,6 +28,7 @@ class ModelConfig:
   num_kv_heads: int | None = None
   max_seq_len: int | None = None
   tie_embeddings: bool | None = None
+  scan_layers: bool | None = None
 
 
 @dataclasses.dataclass

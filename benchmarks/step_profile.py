@@ -1,0 +1,148 @@
+"""Where a train.py step spends its time on the GPU, per precision mode.
+
+Builds the same jitted step as train.py (`coat_jax.training.build`), times
+it (median of --steps steps after >= 2 s of warm-up), then traces three steps
+with `jax.profiler` and sums the GPU kernels' time by kind of op, so that the
+modes can be compared op class by op class.
+
+  PYTHONPATH=. python benchmarks/step_profile.py --modes bf16,coat
+"""
+
+import argparse
+import collections
+import glob
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.train_modes import MODES
+from coat_jax import training
+from coat_jax.training import sharding as sharding_lib
+from coat_jax.training import trainer
+
+# Kernel-name patterns -> op class, first match wins.
+CLASSES = (
+    # cuBLASLt's nvjet kernels spell FP8 operands q (E4M3) and r (E5M2).
+    ('fp8 gemm', r'f8|fp8|e4m3|e5m2|nvjet_sm90_[qr][qr]'),
+    ('gemm', r'gemm|cublas|cutlass|sm90_xmma|nvjet|matmul|dot'),
+    ('attention', r'cudnn|flash|fmha|attention|sdpa'),
+    ('copy / transpose / update-slice', r'dynamic.update|dynamic_update|copy|'
+     r'memcpy|memset|transpose'),
+    ('reduce', r'reduce|reduction'),
+    ('fusion (elementwise)', r'fusion|loop|input'),
+)
+
+
+def classify(name: str) -> str:
+  lower = name.lower()
+  for label, pattern in CLASSES:
+    if re.search(pattern, lower):
+      return label
+  return 'other'
+
+
+def step_times(setup, state, batch, steps):
+  """Median seconds per step (and the last state) after 2 s of warm-up."""
+  start = time.perf_counter()
+  while time.perf_counter() - start < 2.0:
+    state, metrics = setup.train_step(state, *batch)
+    jax.block_until_ready(metrics)
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, metrics = setup.train_step(state, *batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), state
+
+
+def kernel_totals(trace_dir, steps):
+  """{kernel name: ms per step} over the GPU planes of a trace."""
+  path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'),
+                    recursive=True)
+  data = jax.profiler.ProfileData.from_file(path)
+  lines = [line for plane in data.planes
+           if plane.name.startswith('/device:GPU') for line in plane.lines]
+  # Kernels appear on the stream lines; 'XLA Ops' etc. repeat them.
+  streams = [line for line in lines if line.name.startswith('Stream')]
+  if not streams:
+    print('no GPU stream lines in the trace; lines:',
+          sorted({line.name for line in lines}))
+  totals = collections.Counter()
+  for line in streams:
+    for event in line.events:
+      totals[event.name] += event.duration_ns / 1e6 / steps
+  return totals
+
+
+def profile(config, steps):
+  setup = training.build(config)
+  t = config.train
+  tokens = np.random.default_rng(0).integers(
+      0, trainer.llama_config(config.model).vocab_size,
+      (t.batch_size, config.data.seq_len + 1), dtype=np.int32)
+  sharding = sharding_lib.batch_sharding(setup.mesh)
+  batch = [trainer.device_batch(x, sharding)
+           for x in (tokens[:, :-1], tokens[:, 1:])]
+  with jax.set_mesh(setup.mesh):
+    t0 = time.perf_counter()
+    state = setup.init_state()
+    compiled = setup.train_step.lower(state, *batch).compile()
+    compile_s = time.perf_counter() - t0
+    seconds, state = step_times(setup, state, batch, steps)
+    trace_dir = tempfile.mkdtemp(prefix='step_profile_')
+    with jax.profiler.trace(trace_dir):
+      for _ in range(3):
+        state, metrics = setup.train_step(state, *batch)
+      jax.block_until_ready(metrics)
+  # Peak memory is per process: train_modes.py measures it, one mode each.
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  return dict(seconds=seconds, compile_s=compile_s, temp=temp,
+              kernels=kernel_totals(trace_dir, 3))
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--config', default='configs/llama_1b.py')
+  parser.add_argument('--modes', default='bf16,coat')
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--top', type=int, default=12)
+  parser.add_argument('--set', nargs='*', default=[])
+  args = parser.parse_args()
+  base = training.load_config(args.config)
+  results = {}
+  for mode in args.modes.split(','):
+    config = training.apply_overrides(
+        base, [*MODES[mode], 'train.checkpoint_every=0', *args.set])
+    results[mode] = r = profile(config, args.steps)
+    tokens = config.train.batch_size * config.data.seq_len
+    print(f'\n== {mode}: {r["seconds"] * 1e3:.1f} ms/step,'
+          f' {tokens / r["seconds"]:,.0f} tokens/s, compile+init'
+          f' {r["compile_s"]:.0f} s, compiled temp'
+          f' {r["temp"] / 2**30:.2f} GiB', flush=True)
+    for name, ms in r['kernels'].most_common(args.top):
+      print(f'  {ms:8.2f} ms  {classify(name):28s} {name[:90]}')
+  print(f'\n{jax.devices()[0].device_kind}, jax {jax.__version__},'
+        f' {args.config}, GPU kernel ms per step by op class')
+  labels = [label for label, _ in CLASSES] + ['other']
+  print('| op class | ' + ' | '.join(results) + ' |')
+  print('|---|' + '---|' * len(results))
+  for label in labels + ['all kernels', 'step (wall)']:
+    cells = []
+    for r in results.values():
+      if label == 'step (wall)':
+        ms = r['seconds'] * 1e3
+      else:
+        ms = sum(v for k, v in r['kernels'].items()
+                 if label == 'all kernels' or classify(k) == label)
+      cells.append(f'{ms:.1f}')
+    print(f'| {label} | ' + ' | '.join(cells) + ' |')
+
+
+if __name__ == '__main__':
+  main()
