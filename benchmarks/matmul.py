@@ -1,14 +1,20 @@
-"""FP8 matmul benchmark: Pallas Mosaic GPU vs cuBLASLt (fast, precise) vs BF16.
+"""FP8 matmul benchmark: Pallas Mosaic GPU and Triton vs cuBLASLt and BF16.
 
   python3 benchmarks/matmul.py                 # 8192^3 + Llama-2-7B shapes
   python3 benchmarks/matmul.py --sweep         # Pallas tile configs
   python3 benchmarks/matmul.py --accuracy      # error vs K, all paths
   python3 benchmarks/matmul.py --all           # sweep, then main with the best
+  python3 benchmarks/matmul.py --skip bf16 --triton-configs 0   # shorter
 
 All operands are K-major: a (M, K), b (N, K); out (M, N) bfloat16 with the
 two per-tensor scales applied. Timing: >= 2 s of warm-up, then the median over
 many repetitions of back-to-back calls closed by block_until_ready. FLOPs =
 2 M N K. Peak: 1979 TFLOP/s (H100 SXM dense FP8).
+
+The Triton column (`pallas_kernels/fp8_matmul/triton_peer.py`, through
+jax_triton) is the fastest of `triton_peer.CONFIGS` per shape (a short timing
+of each, then the full timing of the winner; its config is printed). Without
+jax_triton the column reads n/a and the reason is printed once.
 """
 
 import argparse
@@ -28,6 +34,7 @@ import numpy as np
 
 from pallas_kernels.fp8_matmul import api  # pylint: disable=g-import-not-at-top
 from pallas_kernels.fp8_matmul import mosaic_gpu
+from pallas_kernels.fp8_matmul import triton_peer
 
 PEAK_TFLOPS = 1979.0
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -82,6 +89,49 @@ BEST = [None]  # the config run_sweep found fastest, used by run_main
 def pallas(a, b, s, config=None):
   return mosaic_gpu.fp8_matmul_mosaic(a, b, s, out_dtype=jnp.bfloat16,
                                       config=config or BEST[0])
+
+
+def triton(a, b, s, config=None):
+  return triton_peer.fp8_matmul_triton(a, b, s, out_dtype=jnp.bfloat16,
+                                       config=config)
+
+
+def triton_why_not():
+  """None if the Triton peer runs here; else the reason, printed once."""
+  why = triton_peer.unavailable_reason()
+  if why is not None and not _TRITON_NOTE:
+    _TRITON_NOTE.append(why)
+    print(f'triton column: n/a ({why})', flush=True)
+  return why
+
+
+_TRITON_NOTE = []
+
+
+def best_triton(a, b, s, flops, which=''):
+  """Times triton_peer.CONFIGS briefly; returns (config, jitted fn).
+
+  Args:
+    which: comma-separated indices into CONFIGS ('' for all).
+
+  Returns (None, None) if none ran. Each try is printed.
+  """
+  best = (None, None, 0.0)
+  for i, cfg in enumerate(triton_peer.CONFIGS):
+    if which and str(i) not in which.split(','):
+      continue
+    try:
+      jf = jax.jit(lambda a, b, s, cfg=cfg: triton(a, b, s, cfg))
+      jax.block_until_ready(jf(a, b, s))
+      med, _, _ = time_fn(jf, (a, b, s), warmup_s=0.05, reps=5)
+      tflops = flops / med / 1e12
+      print(f'  triton {cfg.short()}: {tflops:.0f} TFLOP/s', flush=True)
+      if tflops > best[2]:
+        best = (cfg, jf, tflops)
+    except Exception as e:  # pylint: disable=broad-except
+      print(f'  triton {cfg.short()}: {type(e).__name__}: {str(e)[:300]}',
+            flush=True)
+  return best[0], best[1]
 
 
 def operands(m, n, k, a_dtype, seed=0):
@@ -160,12 +210,14 @@ def check_close(out, a, b, s, ref=None):
 
 
 def run_main(args, log):
+  t_start = time.perf_counter()
   global_warmup(2.0)
   rows = []
-  impls = [('pallas', pallas), ('xla_fast', xla_fast),
+  impls = [('pallas', pallas), ('triton', None), ('xla_fast', xla_fast),
            ('xla_precise', xla_precise), ('xla_api', xla_api), ('bf16', bf16)]
   log['pallas_config'] = str(BEST[0] or mosaic_gpu.DEFAULT_CONFIG)
   print('pallas config:', log['pallas_config'], flush=True)
+  log['triton_unavailable'] = triton_why_not()
   shapes = SHAPES if not args.quick else SHAPES[:1]
   for name, m, n, k, a_dtype in shapes:
     a, b = operands(m, n, k, a_dtype)
@@ -177,18 +229,31 @@ def run_main(args, log):
       print('hlo:', log['hlo'], flush=True)
     ref = precise_ref(a, b, s)
     for iname, f in impls:
+      if iname in args.skip.split(','):
+        continue
       try:
+        extra = {}
+        if iname == 'triton':
+          if triton_why_not() is not None:
+            res[iname] = dict(error='n/a')
+            continue
+          cfg, jf = best_triton(a, b, s, flops, args.triton_configs)
+          if jf is None:
+            res[iname] = dict(error='no config ran')
+            continue
+          extra['config'] = cfg.short()
+        else:
+          jf = jax.jit(f)
         if iname == 'bf16':
           xa, xb = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
         else:
           xa, xb = a, b
-        jf = jax.jit(f)
         out = jf(xa, xb, s)
-        scaled = iname in ('pallas', 'xla_api')
+        scaled = iname in ('pallas', 'triton', 'xla_api')
         err = check_close(out, a, b, s, ref) if scaled else None
         med, lo, hi = time_fn(jf, (xa, xb, s))
         res[iname] = dict(ms=med * 1e3, lo=lo * 1e3, hi=hi * 1e3,
-                          tflops=flops / med / 1e12, err=err)
+                          tflops=flops / med / 1e12, err=err, **extra)
         del out, xa, xb
       except Exception as e:  # pylint: disable=broad-except
         traceback.print_exc()
@@ -197,27 +262,50 @@ def run_main(args, log):
                      res=res))
     del a, b, ref
     print(json.dumps(rows[-1]), flush=True)
+    print(f'elapsed {time.perf_counter() - t_start:.0f} s', flush=True)
   log['main'] = rows
   print_main(rows)
 
 
 def print_main(rows):
-  print('\n| GEMM | M | N | K | A | Pallas | cuBLASLt fast | cuBLASLt precise'
-        ' | xla api path | BF16 | Pallas / precise | Pallas % peak'
-        ' | Pallas err |')
-  print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+  """Markdown table; the Triton config and its ratio to Pallas per shape."""
+  names = ('pallas', 'triton', 'xla_fast', 'xla_precise', 'xla_api', 'bf16')
+  print('\n| GEMM | M | N | K | A | Pallas | Triton | cuBLASLt fast'
+        ' | cuBLASLt precise | xla api path | BF16 | Pallas / precise'
+        ' | Triton / Pallas | Pallas % peak | Pallas err | Triton err'
+        ' | Triton config |')
+  print('|---' * 17 + '|')
+  faster = []
   for r in rows:
     res = r['res']
     tf = {k: v.get('tflops') for k, v in res.items()}
-    cells = [f'{tf[i]:.0f}' if tf.get(i) else 'ERR'
-             for i in ('pallas', 'xla_fast', 'xla_precise', 'xla_api', 'bf16')]
+    cells = []
+    for i in names:
+      if tf.get(i):
+        cells.append(f'{tf[i]:.0f}')
+      else:
+        err = res.get(i, {}).get('error')
+        cells.append('-' if i not in res else 'n/a' if err == 'n/a' else 'ERR')
     ratio = (f'{tf["pallas"] / tf["xla_precise"]:.2f}'
              if tf.get('pallas') and tf.get('xla_precise') else '-')
+    vs = (f'{tf["triton"] / tf["pallas"]:.2f}'
+          if tf.get('triton') and tf.get('pallas') else '-')
+    if tf.get('triton') and tf.get('pallas') and tf['triton'] > tf['pallas']:
+      faster.append(r['name'])
     pk = f'{100 * tf["pallas"] / PEAK_TFLOPS:.0f}%' if tf.get('pallas') else '-'
-    err = res.get('pallas', {}).get('err')
-    err = f'{err:.1e}' if err is not None else '-'
+    errs = []
+    for i in ('pallas', 'triton'):
+      e = res.get(i, {}).get('err')
+      errs.append(f'{e:.1e}' if e is not None else '-')
+    cfg = res.get('triton', {}).get('config', '-')
     print(f'| {r["name"]} | {r["m"]} | {r["n"]} | {r["k"]} | {r["a"]} | '
-          + ' | '.join(cells) + f' | {ratio} | {pk} | {err} |')
+          + ' | '.join(cells) + f' | {ratio} | {vs} | {pk} | '
+          + ' | '.join(errs) + f' | {cfg} |')
+  if _TRITON_NOTE:
+    print(f'\nTriton: n/a ({_TRITON_NOTE[0]})')
+  else:
+    print('\nTriton faster than Pallas on: '
+          + (', '.join(faster) if faster else 'no shape'))
 
 
 C = mosaic_gpu.Config
@@ -303,6 +391,9 @@ def run_accuracy(args, log):
           a, b, C(block_k=256, split_k=1))),
       ('pallas no promote', lambda a, b: pallas32(
           a, b, C(block_m=256, block_k=128, promote=False, split_k=1))),
+      ('triton promote/128', lambda a, b: triton32(a, b, None)),
+      ('triton fast', lambda a, b: triton32(
+          a, b, triton_peer.Config(promote_every=None))),
       ('xla fast', lambda a, b: jax.lax.dot_general(
           a, b, DIMS, preferred_element_type=jnp.float32)),
       ('xla precise', lambda a, b: api.fp8_matmul(
@@ -334,9 +425,16 @@ def run_accuracy(args, log):
   print('\n| inputs | A | K | ' + ' | '.join(labels) + ' |')
   print('|---' * (3 + len(labels)) + '|')
   for r in rows:
-    cells = [f'{r[name]:.1e}' if isinstance(r[name], float) else 'ERR'
-             for name in labels]
+    cells = [f'{r[name]:.1e}' if isinstance(r[name], float) else
+             'n/a' if r[name].endswith('n/a') else 'ERR' for name in labels]
     print(f'| {r["dist"]} | {r["a"]} | {r["k"]} | ' + ' | '.join(cells) + ' |')
+
+
+def triton32(a, b, cfg):
+  if triton_why_not() is not None:
+    raise RuntimeError('n/a')
+  return triton_peer.fp8_matmul_triton(a, b, jnp.float32(1.0),
+                                       out_dtype=jnp.float32, config=cfg)
 
 
 def pallas32(a, b, cfg):
@@ -351,6 +449,10 @@ def main():
   p.add_argument('--quick', action='store_true')
   p.add_argument('--all', action='store_true', help='sweep, then main')
   p.add_argument('--configs', default='', help='sweep indices, e.g. 0,3')
+  p.add_argument('--triton-configs', default='',
+                 help='indices into triton_peer.CONFIGS to try (default all)')
+  p.add_argument('--skip', default='',
+                 help='main-table columns to skip, e.g. bf16,xla_api')
   p.add_argument('--out', default=os.environ.get('OUT', '.'))
   args = p.parse_args()
   dev = jax.devices()[0]

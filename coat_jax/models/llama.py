@@ -219,7 +219,8 @@ class Llama(nnx.Module):
     precision: 'bf16', 'fp8_linear' or 'coat'.
     dtype: activation dtype (bfloat16).
     param_dtype: parameter dtype (float32 master weights).
-    implementation: `fp8_matmul` implementation ('xla', 'pallas', None).
+    implementation: `fp8_matmul` implementation ('xla', 'pallas',
+      'triton', None).
     rngs: random number generators.
   """
 

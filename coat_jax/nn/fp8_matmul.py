@@ -3,7 +3,9 @@
 `fp8_matmul(a, b, a_scale, b_scale, *, out_dtype, implementation)` computes
 (a @ b.T) * a_scale * b_scale for K-major FP8 operands a (M, K) and b (N, K),
 M, N and K multiples of 16, with FP32 accumulation: cuBLASLt FP8 on GPU
-('xla'), the Mosaic GPU kernel ('pallas'), an exact float32 dot on CPU.
+('xla'), the Mosaic GPU kernel ('pallas'), a Triton-language kernel
+through jax_triton ('triton', a benchmark peer), an exact float32 dot on
+CPU.
 This module re-exports it so the layers have a single matmul to call.
 """
 

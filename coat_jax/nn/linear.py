@@ -94,7 +94,8 @@ def fp8_dense(
     x: (..., K) bfloat16 or float32 input; K a multiple of 16.
     kernels: one or more (K, N_i) weights (float32 params), N_i multiples of
       16. Their gradients come back in their own dtype.
-    implementation: passed to `fp8_matmul` ('xla', 'pallas' or None).
+    implementation: passed to `fp8_matmul` ('xla', 'pallas', 'triton'
+      or None).
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
@@ -162,7 +163,8 @@ class CoatLinear(nnx.Module):
     kernel_init: initializer of the kernel.
     bias_init: initializer of the bias.
     kernel_axes: logical axis names of the kernel, e.g. ('embed', 'mlp').
-    implementation: `fp8_matmul` implementation ('xla', 'pallas', None).
+    implementation: `fp8_matmul` implementation ('xla', 'pallas',
+      'triton', None).
     rngs: random number generators.
     kernel_metadata: extra metadata for the kernel Param.
     bias_metadata: extra metadata for the bias Param.

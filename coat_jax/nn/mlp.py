@@ -88,7 +88,8 @@ class CoatMLP(nnx.Module):
     precision: 'bf16', 'fp8_linear' (FP8 matmuls, BF16 SwiGLU) or 'coat'
       (FP8 matmuls and `fp8_swiglu`).
     kernel_init: initializer of the three kernels.
-    implementation: `fp8_matmul` implementation ('xla', 'pallas', None).
+    implementation: `fp8_matmul` implementation ('xla', 'pallas',
+      'triton', None).
     rngs: random number generators.
   """
 

@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_matmul import mosaic_gpu
+from pallas_kernels.fp8_matmul import triton_peer
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 _ALLOWED_PAIRS = ((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2))
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_IMPLEMENTATIONS = ('xla', 'pallas')
+_IMPLEMENTATIONS = ('xla', 'pallas', 'triton')
 _DIMS = (((1,), (1,)), ((), ()))
 
 
@@ -49,12 +50,18 @@ def resolve_implementation(implementation: str | None) -> str:
     return 'pallas' if PALLAS_IS_DEFAULT and pallas_available() else 'xla'
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(
-        f'implementation must be None, \'xla\' or \'pallas\'; got'
-        f' {implementation!r}.')
+        f'implementation must be None, \'xla\', \'pallas\' or \'triton\';'
+        f' got {implementation!r}.')
   if implementation == 'pallas' and not pallas_available():
     raise ValueError(
         'implementation=\'pallas\' needs a Hopper (sm_90) GPU and jax\'s'
         ' Mosaic GPU backend; use implementation=\'xla\' or None here.')
+  if implementation == 'triton':
+    why = triton_peer.unavailable_reason()
+    if why is not None:
+      raise ValueError(
+          f'implementation=\'triton\' cannot run here: {why} Use'
+          ' implementation=\'xla\' or None here.')
   return implementation
 
 
@@ -117,8 +124,9 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
     out_dtype: jnp.bfloat16 (default) or jnp.float32.
     implementation: 'xla' (cuBLASLt FP8 with precise FP32 accumulation on
       GPU; an exact float32 dot elsewhere), 'pallas' (the Mosaic GPU wgmma
-      kernel, Hopper only) or None (the measured-fastest: xla).
-      M, N and K must be multiples of 16.
+      kernel, Hopper only), 'triton' (a Triton-language kernel through
+      jax_triton, Hopper only; `pip install jax-triton`) or None (the
+      measured-fastest: xla). M, N and K must be multiples of 16.
 
   Returns:
     (M, N) array of out_dtype.
@@ -144,4 +152,6 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
   scale = a_scale * b_scale
   if impl == 'pallas':
     return mosaic_gpu.fp8_matmul_mosaic(a, b, scale, out_dtype=out_dtype)
+  if impl == 'triton':
+    return triton_peer.fp8_matmul_triton(a, b, scale, out_dtype=out_dtype)
   return _xla_matmul(a, b, scale, out_dtype)
