@@ -10,6 +10,10 @@ import coat_jax.models as cm
 from coat_jax.models.llama import DecoderLayer
 from coat_jax.models.llama import rope_tables
 import coat_jax.nn as cnn
+from coat_jax.quant import dequantize
+from coat_jax.quant import quantize_per_tensor
+from coat_jax.training import DataConfig
+from coat_jax.training.data import load_dataset
 
 MODES = ('bf16', 'fp8_linear', 'coat')
 
@@ -24,14 +28,30 @@ def _tokens(cfg, batch, seq, key=None, period=None):
   return jnp.tile(block, (1, -(-seq // period)))[:, :seq]
 
 
-def _grads(cfg, precision, tokens, targets):
+def _grads(cfg, precision, tokens, targets, e4m3_kernels=False):
   model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
+  if e4m3_kernels:
+    state = _e4m3_kernels(state)
   loss_fn = lambda s: cm.lm_loss(nnx.merge(graph, s), tokens, targets)
   loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state)
   flat = np.concatenate(
       [np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)])
   return float(loss), flat
+
+
+def _e4m3_kernels(state):
+  """The linear layers' kernels as the FP8 GEMMs see them: rounded to E4M3
+  with one scale per layer's matrix (the stacked axis 0 is the layer)."""
+  def per_tensor(w):
+    return dequantize(quantize_per_tensor(w, 'e4m3'), w.dtype)
+
+  def fn(path, leaf):
+    if not any(getattr(k, 'key', None) == 'kernel' for k in path):
+      return leaf
+    return jax.vmap(per_tensor)(leaf) if leaf.ndim == 3 else per_tensor(leaf)
+
+  return jax.tree_util.tree_map_with_path(fn, state)
 
 
 def _cos(a, b):
@@ -202,19 +222,33 @@ def test_tiny_gradients_match_bf16():
 @pytest.mark.slow
 def test_125m_gradients_match_bf16():
   cfg = cm.LlamaConfig.preset('125m')
-  tokens = _tokens(cfg, 2, 128, period=16)
-  targets = jnp.roll(tokens, -1, axis=1)
+  # Real text: windows of the default training corpus (stdlib .py bytes).
+  data = load_dataset(DataConfig(seq_len=128), cfg.vocab_size)
+  tokens, targets = (jnp.asarray(a) for a in data.batch('train', 0, 0, 2, 128))
   _, g_bf16 = _grads(cfg, 'bf16', tokens, targets)
+  _, g_bf16_q = _grads(cfg, 'bf16', tokens, targets, e4m3_kernels=True)
   _, g_fp8 = _grads(cfg, 'fp8_linear', tokens, targets)
   _, g_coat = _grads(cfg, 'coat', tokens, targets)
-  cos_coat, cos_fp8 = _cos(g_coat, g_bf16), _cos(g_fp8, g_bf16)
-  print(f'125m: cos(coat, bf16) = {cos_coat:.5f},'
-        f' cos(fp8_linear, bf16) = {cos_fp8:.5f}')
-  # Per-tensor FP8 GEMMs cost ~4% relative error per matmul; measured
-  # 0.984-0.992 for both FP8 modes depending on the data. COAT's FP8
-  # activations must add nothing measurable on top of FP8 GEMMs.
-  assert cos_coat >= 0.98
-  assert cos_coat >= cos_fp8 - 0.002
+  cos = {name: (_cos(g, g_bf16_q), _cos(g, g_bf16))
+         for name, g in (('coat', g_coat), ('fp8_linear', g_fp8))}
+  for name, (cos_q, cos_w) in cos.items():
+    print(f'125m: cos(grad {name}, grad bf16 at E4M3 weights) = {cos_q:.5f},'
+          f' cos(grad {name}, grad bf16) = {cos_w:.5f}')
+  # The FP8 GEMMs use E4M3 weights (DESIGN section 3): the FP8 model is the
+  # bf16 model at weights moved by ~2.6% RMS, which alone turns this random
+  # init's gradient to cos 0.989-0.994 (one fixed perturbation: more tokens
+  # do not raise it). Against plain bf16 both FP8 modes measure 0.985
+  # (random tokens) to 0.993 (text). The gradient the FP8 layers compute
+  # (E4M3 activations, E5M2 output gradients, COAT's 1x16 saved activations)
+  # is judged against the bf16 gradient at E4M3 weights: 0.996-0.998. Broken
+  # gradients scored 0.949 (wgrad on the wrong tokens), 0.943 (E5M2 rounded
+  # toward zero), 0.983 (SwiGLU backward missing a term), < 0.86 (a dropped
+  # scale or transpose).
+  for name, (cos_q, cos_w) in cos.items():
+    assert cos_q >= 0.99, name
+    assert cos_w >= 0.98, name
+  # COAT's FP8 activations add nothing measurable on top of FP8 GEMMs.
+  assert cos['coat'][0] >= cos['fp8_linear'][0] - 0.002
 
 
 @pytest.mark.slow
