@@ -50,7 +50,7 @@ def chunked_cross_entropy(
 
   @jax.checkpoint
   def chunk_loss(h_c, t_c, w):
-    logits = jnp.dot(h_c, w, preferred_element_type=jnp.float32)
+    logits = _logits(h_c, w)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(
         logits, jnp.maximum(t_c, 0)[:, None], axis=-1)[:, 0]
@@ -61,3 +61,27 @@ def chunked_cross_entropy(
       (h.reshape(-1, chunk, width), t.reshape(-1, chunk)))
   count = jnp.sum(t >= 0).astype(jnp.float32)
   return jnp.sum(sums), count
+
+
+@jax.custom_vjp
+def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
+  """(T, H) @ (H, V) -> float32 logits; h and w share a dtype (bfloat16)."""
+  return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(h, w):
+  return _logits(h, w), (h, w)
+
+
+def _logits_bwd(residuals, g):
+  # The float32 logits gradient is rounded to the inputs' dtype so that both
+  # backward GEMMs run in it, accumulating in float32; autodiff would mix a
+  # float32 gradient with BF16 operands and run them as float32 (TF32) GEMMs.
+  h, w = residuals
+  g = g.astype(h.dtype)
+  dh = jnp.dot(g, w.T, preferred_element_type=jnp.float32)
+  dw = jnp.dot(h.T, g, preferred_element_type=jnp.float32)
+  return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
