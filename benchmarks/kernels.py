@@ -7,13 +7,15 @@ written) as the ceiling; each op's effective GB/s (the logical bytes it must
 read and write, each once) for the Pallas kernel and the XLA reference on
 >= 1 GiB working sets; the optimizer step in ms per 2^28 params for the fused
 Pallas step, the XLA COAT step (coat_adamw + apply_updates under one jit) and
-optax.adamw (float32 moments), all with donated state. Timing: wall clock
-around N calls closed by block_until_ready, after warm-up; the
-median of 5 repeats
-(the copy warms the GPU for 3 s first, each later op for 1 s).
+optax.adamw (float32 moments), all with donated state. Rows marked 'old'
+time the same ops with the group math from before issue 5
+(`old_group_math.py`), for an A/B comparison in one run. Timing: wall clock
+around N calls closed by block_until_ready, after warm-up; the median of 5
+repeats (the copy warms the GPU for 3 s first, each later op for 1 s).
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -31,6 +33,12 @@ from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.quantize_per_tensor import pallas_triton as tensor_pallas
 from pallas_kernels.quantize_per_tensor import reference as tensor_reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from old_group_math import old_group_math  # noqa: E402
+
+# (impl label suffix, context the op is traced and timed in)
+MATH = (('', contextlib.nullcontext), (' old', old_group_math))
 
 LOG2_N = int(os.environ.get('BENCH_LOG2_N', 28))  # smaller: dry runs only
 N_PARAMS = 1 << LOG2_N
@@ -164,12 +172,17 @@ def bench_group(results, quick):
     ref = jax.jit(lambda x: group_reference.quantize_per_group(x, g, fmt, exp))
     results.append(dict(name=label, impl='xla', bytes=nbytes,
                         s=time_call(ref, (x,))))
-    for bs in configs:
+    runs = [(bs, '', contextlib.nullcontext) for bs in configs]
+    if exp:
+      runs += [(configs[0], *MATH[1])]
+    for bs, suffix, codec in runs:
       f = jax.jit(functools.partial(
           group_pallas.quantize_per_group, group_size=g, dtype=fmt,
           expansion=exp, block_sizes=bs))
-      results.append(dict(name=label, impl='pallas', config=str(bs),
-                          bytes=nbytes, s=time_call(f, (x,))))
+      with codec():
+        results.append(dict(name=label, impl='pallas' + suffix,
+                            config=str(bs), bytes=nbytes,
+                            s=time_call(f, (x,))))
     del x
   # Dequantize 1x128 with expansion to f32 (reading the moments).
   x = jax.random.normal(key, (ROWS, COLS), jnp.float32) * 1e-3
@@ -184,11 +197,14 @@ def bench_group(results, quick):
                       s=time_call(ref, (v, s, e))))
   dconfigs = [group_pallas.BlockSizes(target=t, num_warps=w)
               for t, w in ((1024, 4), (2048, 8))]
-  for bs in dconfigs[:1] if quick else dconfigs:
+  runs = [(bs, '', contextlib.nullcontext)
+          for bs in (dconfigs[:1] if quick else dconfigs)]
+  for bs, suffix, codec in runs + [(dconfigs[0], *MATH[1])]:
     f = jax.jit(functools.partial(
         group_pallas.dequantize_per_group, group_size=128, block_sizes=bs))
-    results.append(dict(name=label, impl='pallas', config=str(bs),
-                        bytes=nbytes, s=time_call(f, (v, s, e))))
+    with codec():
+      results.append(dict(name=label, impl='pallas' + suffix, config=str(bs),
+                          bytes=nbytes, s=time_call(f, (v, s, e))))
 
 
 def bench_tensor(results, quick):
@@ -256,22 +272,29 @@ def bench_adam(results, quick):
     u, s = ctx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  p = fresh()
-  step = jax.jit(coat_step, donate_argnums=0)
-  results.append(dict(name='adamw step (per 2^28 params)', impl='xla coat',
-                      bytes=nbytes,
-                      s=time_call(step, None, carry=((p, ctx.init(p)), g))))
+  for suffix, codec in MATH:
+    p = fresh()
+    step = jax.jit(coat_step, donate_argnums=0)
+    with codec():
+      results.append(dict(
+          name='adamw step (per 2^28 params)', impl='xla coat' + suffix,
+          bytes=nbytes,
+          s=time_call(step, None, carry=((p, ctx.init(p)), g))))
+    del p
 
   # Fused Pallas step.
   zeros = jnp.zeros(shape, jnp.float32)
   mom = lambda: adam_reference.Moment(*group_reference.quantize_per_group(
       zeros, 128, 'e4m3', True))
-  configs = [adam_pallas.BlockSizes()]
+  # 2 warps on 1024 elements: 16 per thread, fewer instructions per element
+  # (per-group work and reductions amortized) at 96 registers.
+  configs = [adam_pallas.BlockSizes(), adam_pallas.BlockSizes(num_warps=2)]
   if not quick:
     configs += [adam_pallas.BlockSizes(num_warps=w, target=t)
                 for t, w in ((256, 2), (512, 2), (512, 4), (1024, 8),
-                             (2048, 8))]
-  for bs in configs:
+                             (2048, 4), (2048, 8))]
+  runs = [(bs, *MATH[0]) for bs in configs] + [(configs[0], *MATH[1])]
+  for bs, suffix, codec in runs:
     def fused_step(state, g, bs=bs):
       p, m, v, count = state
       count = count + 1
@@ -283,18 +306,19 @@ def bench_adam(results, quick):
 
     p = fresh()
     step = jax.jit(fused_step, donate_argnums=0)
-    results.append(dict(
-        name='adamw step (per 2^28 params)', impl='pallas fused',
-        config=str(bs), bytes=nbytes,
-        s=time_call(step, None,
-                    carry=((p, mom(), mom(), jnp.int32(0)), g))))
+    with codec():
+      results.append(dict(
+          name='adamw step (per 2^28 params)', impl='pallas fused' + suffix,
+          config=str(bs), bytes=nbytes,
+          s=time_call(step, None,
+                      carry=((p, mom(), mom(), jnp.int32(0)), g))))
     del p
 
 
 def table(results):
   copy = rows_of(results, 'copy x*2 f32')[0]
   copy_bw = copy['bytes'] / copy['s'] / 1e9
-  lines = [f'{"op":46s} {"impl":13s} {"ms":>8s} {"GB/s":>7s} {"%copy":>6s}'
+  lines = [f'{"op":46s} {"impl":16s} {"ms":>8s} {"GB/s":>7s} {"%copy":>6s}'
            f' {"vs xla":>7s}  config']
   best = {}
   for r in results:
@@ -306,7 +330,7 @@ def table(results):
     xla = best.get((r['name'], 'xla')) or best.get((r['name'], 'xla coat'))
     ratio = xla['s'] / r['s'] if xla else float('nan')
     lines.append(
-        f'{r["name"]:46s} {r["impl"]:13s} {r["s"] * 1e3:8.3f} {bw:7.0f}'
+        f'{r["name"]:46s} {r["impl"]:16s} {r["s"] * 1e3:8.3f} {bw:7.0f}'
         f' {100 * bw / copy_bw:5.0f}% {ratio:6.2f}x  {r.get("config", "")}')
   return '\n'.join(lines)
 

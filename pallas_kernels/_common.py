@@ -1,10 +1,9 @@
 """Shared pieces of the kernels: FP8 formats, exact float ops, dispatch.
 
-Pure jnp where possible. The `Ops` bundle holds the three operations whose
-lowering may differ between XLA and Pallas-Triton (division, square root, a
-max that must not drop NaN): the references use `XLA_OPS`, the GPU kernels
-`TRITON_OPS`, and the same group math runs in both, so that a kernel rounds
-like its reference.
+Pure jnp where possible. The `Ops` bundle holds the operations whose
+lowering may differ between XLA and Pallas-Triton (division, square root):
+the references use `XLA_OPS`, the GPU kernels `TRITON_OPS`, and the same
+group math runs in both, so that a kernel rounds like its reference.
 """
 
 from collections.abc import Callable
@@ -83,9 +82,13 @@ def clip(x: jax.Array, lo: float, hi: float) -> jax.Array:
 
 
 def with_sign_of(a: jax.Array, x: jax.Array) -> jax.Array:
-  """`sign(x) * a` for `a >= 0` or NaN: -0.0 gives -0 too. x is float32."""
-  negative = lax.bitcast_convert_type(x, jnp.int32) < 0
-  return jnp.where(negative, -a, a)
+  """`sign(x) * a` for float32 `a >= 0` or NaN: -0.0 gives -0 too.
+
+  The sign bit of x is or-ed into a: one instruction on the GPU.
+  """
+  sign = lax.bitcast_convert_type(x, jnp.int32) & np.int32(-2**31)
+  bits = lax.bitcast_convert_type(a, jnp.int32) | sign
+  return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def nan_max(x: jax.Array, axis: int) -> jax.Array:
@@ -96,6 +99,17 @@ def nan_max(x: jax.Array, axis: int) -> jax.Array:
   group (meaningless: it decodes to NaN) may differ from XLA's.
   """
   return jnp.max(jnp.where(x != x, jnp.inf, x), axis=axis)
+
+
+def abs_max(absx: jax.Array, axis: int) -> jax.Array:
+  """Max over `axis` of float32 |x| values, NaN if any of them is NaN.
+
+  Reduced on the int32 bits (non-negative floats order like their bits, NaN
+  above +inf): XLA and Triton (whose float max drops NaN) then agree bit for
+  bit, and no per-element select is needed as in `nan_max`.
+  """
+  bits = lax.bitcast_convert_type(absx, jnp.int32)
+  return lax.bitcast_convert_type(jnp.max(bits, axis), jnp.float32)
 
 
 def _asm(instruction: str, *args: jax.Array) -> jax.Array:
@@ -112,34 +126,47 @@ class Ops:
   """The float32 operations whose lowering differs between backends.
 
   Attributes:
-    div: IEEE division, correctly rounded.
-    sqrt: IEEE square root, correctly rounded.
-    max: max over an axis of non-negative values, non-finite if any is NaN.
+    div: float32 division.
+    div_scalar: x / y for one scalar y with 2^-126 <= |y| <= 2^126, the same
+      bits as the references' x / y (XLA's division by a broadcast scalar).
+    sqrt: float32 square root.
   """
 
   div: Callable[[Any, Any], jax.Array]
+  div_scalar: Callable[[Any, Any], jax.Array]
   sqrt: Callable[[Any], jax.Array]
-  max: Callable[[jax.Array, int], jax.Array]
+
+
+def _times_reciprocal(x: jax.Array, y: jax.Array) -> jax.Array:
+  # Triton's division, div.full.f32, is x * rcp.approx(y) for
+  # 2^-126 <= |y| <= 2^126 (ptxas, sm_90), and XLA rewrites x / y for a
+  # broadcast scalar y into x * (1 / y): the reciprocal taken once per program
+  # gives the same bits without ~8 instructions per element.
+  return x * lax.div(np.float32(1), y)
 
 
 # The references run XLA's own ops. On the GPU, XLA's float32 division and
 # sqrt are not correctly rounded (seen on an H200, jax 0.11.2: 29% of
 # quotients and 17% of roots differ from IEEE), and neither are its log/exp.
-XLA_OPS = Ops(
-    div=jnp.divide, sqrt=jnp.sqrt, max=lambda x, axis: jnp.max(x, axis))
+XLA_OPS = Ops(div=jnp.divide, div_scalar=jnp.divide, sqrt=jnp.sqrt)
 # Triton's own lowering (div.full.f32, libdevice sqrt/log/exp) reproduced
 # XLA's results bit for bit there (quantize and dequantize with expansion:
 # 0 of 8.4M elements differ), so the GPU kernels use it.
-TRITON_OPS = Ops(div=lax.div, sqrt=jnp.sqrt, max=nan_max)
+TRITON_OPS = Ops(div=lax.div, div_scalar=_times_reciprocal, sqrt=jnp.sqrt)
 # Correctly rounded PTX instructions instead: IEEE results, but 14% of a
 # dequantize's outputs then differ from XLA's in the last bits.
+_ieee_div = lambda a, b: _asm('div.rn.f32 $0, $1, $2;', a, b)
 TRITON_IEEE_OPS = Ops(
-    div=lambda a, b: _asm('div.rn.f32 $0, $1, $2;', a, b),
+    div=_ieee_div, div_scalar=_ieee_div,
     sqrt=lambda a: _asm('sqrt.rn.f32 $0, $1;', a),
-    max=nan_max,
 )
-# Interpreted kernels run as XLA on the host, with max written like Triton's.
-INTERPRET_OPS = dataclasses.replace(XLA_OPS, max=nan_max)
+
+
+# Interpreted kernels run as XLA on the host, where XLA rewrites x / y for a
+# broadcast scalar y into x * (1 / y) in the references but not in the
+# interpreted kernel: it is spelled out there.
+INTERPRET_OPS = dataclasses.replace(
+    XLA_OPS, div_scalar=lambda x, y: x * jnp.divide(np.float32(1), y))
 
 
 def kernel_ops(interpret: bool) -> Ops:
@@ -221,7 +248,7 @@ def tile_mask(
 
 def group_tile(
     block: tuple[int, int], ncb: int, rows: int, cols: int, group_size: int
-) -> tuple[int, jax.Array, jax.Array]:
+) -> tuple[int, jax.Array | None, jax.Array | None]:
   """This program's tile of a (rows, cols) view with groups along cols.
 
   Args:
@@ -232,14 +259,24 @@ def group_tile(
 
   Returns:
     (groups per tile row, element mask (block), group mask (block_rows,
-    groups per tile row)).
+    groups per tile row)); both masks are None when the tiles cover the view
+    exactly, as the big ones do: masks cost selects and predicates on every
+    element.
   """
   pid = pl.program_id(0)
   i, j = pid // ncb, pid % ncb
   ng = block[1] // group_size
+  if rows % block[0] == 0 and cols % block[1] == 0:
+    return ng, None, None
   mask = tile_mask(i, j, block, (rows, cols))
   gmask = tile_mask(i, j, (block[0], ng), (rows, pl.cdiv(cols, group_size)))
   return ng, mask, gmask
+
+
+def masked_load(ref: Any, mask: jax.Array | None, fill: float) -> jax.Array:
+  """The tile of `ref` as float32, `fill` where `mask` (if any) is False."""
+  x = pltriton.load(ref, mask=mask).astype(jnp.float32)
+  return x if mask is None else jnp.where(mask, x, fill)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,21 +43,21 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
   ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
   hp = {name: hp_ref[n] for n, name in enumerate(_HP_NAMES)}
 
-  def load(ref, m, fill):
-    return jnp.where(m, pltriton.load(ref, mask=m).astype(jnp.float32), fill)
+  load = _common.masked_load
 
-  def decode(q_refs, fp8_max):
+  def decode(q_refs, dtype):
     codes = load(q_refs[0], mask, 0.0).reshape(br, ng, group_size)
     scale = load(q_refs[1], gmask, 1.0)
     exponent = load(q_refs[2], gmask, 1.0) if expansion else None
-    out = group_reference.decode_groups(codes, scale, exponent, fp8_max, ops)
+    out = group_reference.decode_groups(codes, scale, exponent, dtype, ops)
     return out.reshape(br, bc)
 
   def encode(x, q_refs, meta):
     dtype, scale_dtype = meta
+    if mask is not None:
+      x = jnp.where(mask, x, 0.0)
     values, scale, exponent = group_reference.encode_groups(
-        jnp.where(mask, x, 0.0).reshape(br, ng, group_size), dtype,
-        expansion, scale_dtype, ops)
+        x.reshape(br, ng, group_size), dtype, expansion, scale_dtype, ops)
     pltriton.store(q_refs[0], values.reshape(br, bc), mask=mask)
     pltriton.store(q_refs[1], scale, mask=gmask)
     if expansion:
@@ -65,8 +65,8 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
 
   p = load(p_ref, mask, 0.0)
   g = load(g_ref, mask, 0.0)
-  m = decode(mu_in, _common.fp8_max(mu_meta[0]))
-  v = decode(nu_in, _common.fp8_max(nu_meta[0]))
+  m = decode(mu_in, mu_meta[0])
+  v = decode(nu_in, nu_meta[0])
   p, m, v = reference.update(p, g, m, v, hp, apply_weight_decay, ops)
   pltriton.store(p_out, p.astype(p_out.dtype), mask=mask)
   encode(m, mu_out, mu_meta)

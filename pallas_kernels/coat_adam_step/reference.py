@@ -65,8 +65,8 @@ def update(
   """The float32 AdamW arithmetic on dequantized moments: (p, m, v) new."""
   m = hp['c1'] * g + hp['b1'] * m
   v = hp['c2'] * (g * g) + hp['b2'] * v
-  m_hat = ops.div(m, hp['bc1'])
-  v_hat = ops.div(v, hp['bc2'])
+  m_hat = ops.div_scalar(m, hp['bc1'])
+  v_hat = ops.div_scalar(v, hp['bc2'])
   u = ops.div(m_hat, ops.sqrt(v_hat) + hp['eps'])
   if apply_weight_decay:
     u = u + hp['wd'] * p

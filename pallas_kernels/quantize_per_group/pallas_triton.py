@@ -39,8 +39,7 @@ def _quantize_kernel(x_ref, *out_refs, rows, cols, ncb, group_size, dtype,
                      expansion, scale_dtype, ops):
   br, bc = x_ref.shape
   ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
-  x = pltriton.load(x_ref, mask=mask).astype(jnp.float32)
-  x = jnp.where(mask, x, 0.0)
+  x = _common.masked_load(x_ref, mask, 0.0)
   values, scale, exponent = reference.encode_groups(
       x.reshape(br, ng, group_size), dtype, expansion, scale_dtype, ops)
   pltriton.store(out_refs[0], values.reshape(br, bc), mask=mask)
@@ -91,17 +90,17 @@ def quantize_per_group(
 
 
 def _dequantize_kernel(v_ref, s_ref, *refs, rows, cols, ncb, group_size,
-                       fp8_max, expansion, ops):
+                       dtype, expansion, ops):
   e_ref, o_ref = refs if expansion else (None, refs[0])
   br, bc = v_ref.shape
   ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
-  q = jnp.where(mask, pltriton.load(v_ref, mask=mask).astype(jnp.float32), 0.)
+  q = _common.masked_load(v_ref, mask, 0.0)
   scale = pltriton.load(s_ref, mask=gmask)
   exponent = None
   if expansion:
-    exponent = jnp.where(gmask, pltriton.load(e_ref, mask=gmask), 1.0)
+    exponent = _common.masked_load(e_ref, gmask, 1.0)
   out = reference.decode_groups(
-      q.reshape(br, ng, group_size), scale, exponent, fp8_max, ops)
+      q.reshape(br, ng, group_size), scale, exponent, dtype, ops)
   pltriton.store(o_ref, out.reshape(br, bc).astype(o_ref.dtype), mask=mask)
 
 
@@ -127,7 +126,7 @@ def dequantize_per_group(
     in_specs.append(_spec((br, bc // group_size), ncb))
   kernel = functools.partial(
       _dequantize_kernel, rows=rows, cols=cols, ncb=ncb,
-      group_size=group_size, fp8_max=_common.fp8_max(values.dtype),
+      group_size=group_size, dtype=values.dtype,
       expansion=expansion, ops=_common.kernel_ops(interpret))
   out = pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=_spec((br, bc), ncb),

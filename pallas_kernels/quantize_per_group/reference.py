@@ -3,21 +3,31 @@
 This module holds the numerics (the 'xla' path and the oracle of the Pallas
 kernel); `coat_jax.quant` builds its `QuantizedArray` API on it. The group
 math (`encode_groups`, `decode_groups`) takes an `Ops` bundle so that the
-Pallas kernels run the very same expressions with correctly rounded division.
+Pallas kernels run the very same expressions, with the division that rounds
+like XLA's.
 
 Linear: per group, scale = amax / fp8_max (1 for an all-zero group), values =
-saturate(x / scale). Dynamic range expansion (COAT): per group, M = max|x|,
-mu = min |x| over nonzero x, k = floor(16 log2 U / log2(M / mu)) / 16 bounded
-to [1/4, 16] with U = fp8_max^2 / 2, values = saturate(sign(x) fp8_max
-2^(k log2(|x| / M))); scale stores M, exponent stores k. Groups holding NaN
-or Inf get a NaN scale and dequantize to NaN; all-zero groups get scale 1
-(linear) or k = 1 and decode to exact zeros.
+saturate(x / scale). Dynamic range expansion (COAT): per group, M = max|x|
+(as stored in the scale dtype), mu = min |x| over nonzero x,
+k = floor(16 log2 U / log2(M / mu)) / 16 bounded to [1/4, 16] with
+U = fp8_max^2 / 2, values = saturate(sign(x) fp8_max (|x| / M)^k); scale
+stores M, exponent stores k; decoding is sign(q) M (|q| / fp8_max)^(1/k).
+Groups holding NaN or Inf get a NaN scale (and k = 1) and dequantize to NaN;
+all-zero groups get scale 1 (linear) or k = 1 and decode to exact zeros.
+
+Cost: expansion makes the optimizer step compute-bound on the GPU, so the
+expressions are chosen for few instructions per element: encoding takes one
+log and one exp per element (two logs and a division per group), decoding
+one exp (log2 |q| comes from the code's bits, 1/k is divided once per
+group). None of them is a multiply-add, which XLA and Triton could contract
+into FMAs differently.
 """
 
 import math
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,10 +41,6 @@ from pallas_kernels import _common
 EXPANSION_STEPS = 16
 K_MIN = 0.25
 K_MAX = 16.0
-# XLA rewrites x / c for a constant c into x * (1 / c), and lowers exp2(x) to
-# exp(ln2 x): the constants below spell both out, so the same expressions
-# round identically under XLA (eager or jit) and in the Pallas kernels.
-LOG2_E = np.float32(1) / np.float32(np.log(2.0))
 LN_2 = np.float32(np.log(2.0))
 SCALE_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 
@@ -44,18 +50,14 @@ def expansion_range(dtype: Any) -> float:
   return _common.fp8_max(dtype) ** 2 / 2
 
 
-def log2(x: jax.Array) -> jax.Array:
-  """jnp.log2 as XLA computes it under jit: log(x) * (1 / ln 2)."""
-  return jnp.log(x) * LOG2_E
-
-
-def exp2(x: jax.Array) -> jax.Array:
-  """jnp.exp2 as jax lowers it: exp(ln 2 * x)."""
-  return jnp.exp(LN_2 * x)
-
-
 def reciprocal(c: float) -> np.float32:
-  """1 / c rounded once to float32, as XLA folds a division by a constant."""
+  """1 / c rounded once to float32, as XLA folds a division by a constant.
+
+  The group math multiplies by such constants itself (and uses exp and log,
+  never exp2 and log2, which jax and Triton lower differently), so that the
+  same expressions round identically under XLA (eager or jit) and in the
+  Pallas kernels.
+  """
   return np.float32(1) / np.float32(c)
 
 
@@ -69,18 +71,74 @@ def store_scale(
 
 
 def expansion_exponent(
-    amax: jax.Array, amin_nonzero: jax.Array, dtype: Any,
-    ops: _common.Ops = _common.XLA_OPS
+    log_ratio: jax.Array, dtype: Any, ops: _common.Ops = _common.XLA_OPS
 ) -> jax.Array:
-  """k = floor(16 log2 U / log2 R) / 16, R = amax / amin, in [K_MIN, K_MAX].
+  """k = floor(16 log2 U / log2 R) / 16 in [K_MIN, K_MAX], from ln R.
 
-  R == 1 (constant group, single nonzero) gives K_MAX; all-zero groups get 1.
+  ln R = ln M - ln mu. R == 1 (constant group, single nonzero) gives K_MAX; a
+  negative or NaN ln R (all-zero and non-finite groups) gives 1.
   """
-  log2_ratio = log2(amax) - log2(amin_nonzero)
   steps = jnp.floor(ops.div(
-      EXPANSION_STEPS * math.log2(expansion_range(dtype)), log2_ratio))
+      EXPANSION_STEPS * math.log(expansion_range(dtype)), log_ratio))
   k = _common.clip(steps * reciprocal(EXPANSION_STEPS), K_MIN, K_MAX)
-  return jnp.where(amax > 0, k, 1.0).astype(jnp.float32)
+  return jnp.where(log_ratio >= 0, k, 1.0).astype(jnp.float32)
+
+
+def _code_format(dtype: Any) -> tuple[int, int]:
+  """(mantissa bits, e) of an FP8 format whose max is 1.75 * 2^e."""
+  dt = _common.fp8_dtype(dtype)
+  e_max = math.log2(_common.fp8_max(dt) / 1.75)
+  assert e_max == int(e_max), dt
+  return int(jnp.finfo(dt).nmant), int(e_max)
+
+
+def _select_by_bits(
+    bits: jax.Array, lowest: int, table: np.ndarray
+) -> jax.Array:
+  """table[j] for j the n bits of int32 `bits` from `lowest` (2^n = len)."""
+  values = list(np.asarray(table, np.float32))
+  bit = lowest
+  while len(values) > 1:
+    on = (bits & (1 << bit)) != 0
+    values = [jnp.where(on, hi, lo)
+              for lo, hi in zip(values[::2], values[1::2])]
+    bit += 1
+  return values[0]
+
+
+def code_log2(codes: jax.Array, dtype: Any) -> jax.Array:
+  """log2(|q| / fp8_max) of FP8 codes q given as float32; -inf at q == 0.
+
+  |q| = 2^e (1 + j / 2^n) in float32 (FP8 subnormals included) with n = 3
+  (E4M3) or 2 (E5M2) mantissa bits, and fp8_max = 1.75 * 2^e_max, so the
+  result is (e - e_max) + (log2(1 + j / 2^n) - log2 1.75): integer ops, a
+  table lookup by selects and one rounded addition, no log (and no libm, so
+  XLA and Triton agree bit for bit). Codes are finite: NaN codes only occur
+  in groups whose scale is NaN.
+  """
+  mant_bits, e_max = _code_format(dtype)
+  bits = lax.bitcast_convert_type(codes, jnp.int32)
+  biased = lax.shift_right_logical(bits, 23) & 0xFF
+  j = np.arange(2**mant_bits)
+  table = np.log2(1 + j / 2**mant_bits) - np.log2(1.75)
+  frac = _select_by_bits(bits, 23 - mant_bits, table)
+  # (biased - 127 - e_max) as float32 without an int -> float convert (those
+  # run at quarter rate on the GPU): 2^23 + biased, then an exact subtraction.
+  whole = (lax.bitcast_convert_type(biased | 0x4B000000, jnp.float32)
+           - np.float32(2**23 + 127 + e_max))
+  return jnp.where(codes == 0, -jnp.inf, whole + frac)
+
+
+def _decode_factors(dtype: Any) -> int:
+  """n such that M 2^t = M (2^(t/n))^n keeps 2^(t/n) a normal float32.
+
+  t = log2(|q| / fp8_max) / k >= log2(smallest code / fp8_max) / K_MIN:
+  -71 for E4M3 (n = 1), -127 for E5M2 (n = 2).
+  """
+  dt = _common.fp8_dtype(dtype)
+  smallest = float(jnp.finfo(dt).smallest_subnormal)
+  t_min = math.log2(smallest / _common.fp8_max(dt)) / K_MIN
+  return math.ceil(t_min / -125)
 
 
 def encode_groups(
@@ -96,36 +154,46 @@ def encode_groups(
   dt = _common.fp8_dtype(dtype)
   fmax = _common.fp8_max(dt)
   absx = jnp.abs(groups)
-  amax = ops.max(absx, -1)
+  amax = _common.abs_max(absx, -1)
   if not expansion:
     scale = store_scale(amax * reciprocal(fmax), amax, scale_dtype)
     codes = ops.div(groups, scale.astype(jnp.float32)[..., None])
     return _common.saturate(codes, dt), scale, None
-  amin = jnp.min(jnp.where(absx > 0, absx, jnp.inf), axis=-1)
-  exponent = expansion_exponent(amax, amin, dt, ops)
+  # (|x| / M)^k = exp(k (ln|x| - ln M)), M as stored: no division (a
+  # multiply by 1/M would flush for M > 2^126), and |x| == M gives exactly
+  # fp8_max. ln M is 0 for all-zero groups (M = 1), NaN for non-finite ones.
   scale = store_scale(amax, amax, scale_dtype)
-  # (|x| / M)^k in the log domain: no division (a multiply by 1/M would
-  # flush to zero for M > 2^126), and exactly 1 at |x| == M.
-  log2_ratio = log2(absx) - log2(scale.astype(jnp.float32))[..., None]
-  codes = _common.with_sign_of(
-      fmax * exp2(exponent[..., None] * log2_ratio), groups)
-  return _common.saturate(codes, dt), scale, exponent
+  log_scale = jnp.log(scale.astype(jnp.float32))
+  amin = jnp.min(jnp.where(absx > 0, absx, jnp.inf), -1)
+  exponent = expansion_exponent(log_scale - jnp.log(amin), dt, ops)
+  codes = fmax * jnp.exp(
+      (jnp.log(absx) - log_scale[..., None]) * exponent[..., None])
+  if np.dtype(scale_dtype) != np.float32:
+    # Saturate: a bf16 scale rounded below max |x| takes codes past fp8_max.
+    # With M = max |x| itself, codes <= fp8_max (an exp rounded up to 1 + ulp
+    # still casts to fp8_max), so no clip is needed.
+    codes = jnp.where(codes > fmax, fmax, codes)
+  return _common.with_sign_of(codes, groups).astype(dt), scale, exponent
 
 
 def decode_groups(
     groups: jax.Array, scale: jax.Array, exponent: jax.Array | None,
-    fp8_max: float, ops: _common.Ops = _common.XLA_OPS
+    dtype: Any, ops: _common.Ops = _common.XLA_OPS
 ) -> jax.Array:
-  """Inverse of `encode_groups` on float32 codes (..., g): float32 values."""
+  """Inverse of `encode_groups` on float32 codes (..., g) of FP8 `dtype`."""
   scale = scale.astype(jnp.float32)[..., None]
   if exponent is None:
     return groups * scale
-  # M (|q| / fp8_max)^(1/k) as M 2^(t/2) 2^(t/2): with k >= K_MIN neither
-  # factor underflows, and |q| == fp8_max gives M exactly.
-  half_t = ops.div(log2(jnp.abs(groups) * reciprocal(fp8_max)),
-                   2 * exponent[..., None])
-  out = _common.with_sign_of(scale, groups) * exp2(half_t)
-  return out * exp2(half_t)
+  # M (|q| / fp8_max)^(1/k) = M exp(log2(|q| / fp8_max) ln2 / k), as
+  # M f^n with f = exp(. / n) so that f never underflows (n: _decode_factors).
+  # |q| == fp8_max gives f = 1, hence M exactly.
+  n = _decode_factors(dtype)
+  rate = ops.div(float(LN_2 / n), exponent)[..., None]
+  factor = jnp.exp(code_log2(groups, dtype) * rate)
+  out = scale * factor
+  for _ in range(n - 1):
+    out = out * factor
+  return _common.with_sign_of(out, groups)
 
 
 def num_groups(shape: tuple[int, ...], group_size: int) -> int:
@@ -203,6 +271,5 @@ def dequantize_per_group(
 ) -> jax.Array:
   """Inverse of `quantize_per_group`: an array of values.shape, out_dtype."""
   groups = to_groups(values.astype(jnp.float32), group_size)
-  out = decode_groups(
-      groups, scale, exponent, _common.fp8_max(values.dtype))
+  out = decode_groups(groups, scale, exponent, values.dtype)
   return from_groups(out, values.shape).astype(out_dtype)
