@@ -286,9 +286,9 @@ def bench_adam(results, quick):
   zeros = jnp.zeros(shape, jnp.float32)
   mom = lambda: adam_reference.Moment(*group_reference.quantize_per_group(
       zeros, 128, 'e4m3', True))
-  # 2 warps on 1024 elements: 16 per thread, fewer instructions per element
-  # (per-group work and reductions amortized) at 96 registers.
-  configs = [adam_pallas.BlockSizes(), adam_pallas.BlockSizes(num_warps=2)]
+  # The default (2 warps on 1024 elements: 16 per thread, the per-group work
+  # amortized, 96 registers) and the former default, 4 warps.
+  configs = [adam_pallas.BlockSizes(), adam_pallas.BlockSizes(num_warps=4)]
   if not quick:
     configs += [adam_pallas.BlockSizes(num_warps=w, target=t)
                 for t, w in ((256, 2), (512, 2), (512, 4), (1024, 8),
