@@ -19,6 +19,7 @@ from pallas_kernels import _common
 from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
 from pallas_kernels.coat_adam_step import reference
+from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
 from pallas_kernels.quantize_per_group import reference as group_reference
 
 _HP_NAMES = ('c1', 'b1', 'c2', 'b2', 'bc1', 'bc2', 'eps', 'wd', 'neg_lr')
@@ -35,40 +36,27 @@ class BlockSizes(_common.GroupBlockSizes):
 
 def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
             apply_weight_decay, mu_meta, nu_meta, ops):
-  n_in = 2 + 2 * (3 if expansion else 2)
-  ins, outs = refs[:n_in], refs[n_in:]
+  k = 3 if expansion else 2  # refs per moment: values, scale[, exponent]
+  ins, outs = refs[:2 + 2 * k], refs[2 + 2 * k:]
   p_ref, g_ref = ins[:2]
-  k = 3 if expansion else 2
   mu_in, nu_in = ins[2:2 + k], ins[2 + k:]
   p_out, mu_out, nu_out = outs[0], outs[1:1 + k], outs[1 + k:]
-  br, bc = p_ref.shape
-  ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
+  _, mask, gmask = _common.group_tile(
+      p_ref.shape, ncb, rows, cols, group_size)
   hp = {name: hp_ref[n] for n, name in enumerate(_HP_NAMES)}
-
-  load = _common.masked_load
-
-  def decode(q_refs, dtype):
-    codes = load(q_refs[0], mask, 0.0).reshape(br, ng, group_size)
-    scale = load(q_refs[1], gmask, 1.0)
-    exponent = load(q_refs[2], gmask, 1.0) if expansion else None
-    out = group_reference.decode_groups(codes, scale, exponent, dtype, ops)
-    return out.reshape(br, bc)
 
   def encode(x, q_refs, meta):
     dtype, scale_dtype = meta
-    if mask is not None:
+    if mask is not None:  # the group max must not see lanes past the edge
       x = jnp.where(mask, x, 0.0)
-    values, scale, exponent = group_reference.encode_groups(
-        x.reshape(br, ng, group_size), dtype, expansion, scale_dtype, ops)
-    pltriton.store(q_refs[0], values.reshape(br, bc), mask=mask)
-    pltriton.store(q_refs[1], scale, mask=gmask)
-    if expansion:
-      pltriton.store(q_refs[2], exponent, mask=gmask)
+    group_pallas.store_groups(x, q_refs, mask, gmask, group_size, dtype,
+                              expansion, scale_dtype, ops)
 
-  p = load(p_ref, mask, 0.0)
-  g = load(g_ref, mask, 0.0)
-  m = decode(mu_in, mu_meta[0])
-  v = decode(nu_in, nu_meta[0])
+  p = _common.masked_load(p_ref, mask, 0.0)
+  g = _common.masked_load(g_ref, mask, 0.0)
+  load_moment = lambda q_refs, meta: group_pallas.load_groups(
+      q_refs, mask, gmask, group_size, meta[0], ops)
+  m, v = load_moment(mu_in, mu_meta), load_moment(nu_in, nu_meta)
   p, m, v = reference.update(p, g, m, v, hp, apply_weight_decay, ops)
   pltriton.store(p_out, p.astype(p_out.dtype), mask=mask)
   encode(m, mu_out, mu_meta)

@@ -35,17 +35,41 @@ def _spec(block, ncb):
   return pl.BlockSpec(block, lambda p: (p // ncb, p % ncb))
 
 
+def load_groups(q_refs, mask, gmask, group_size, dtype, ops):
+  """A tile's FP8 codes and metadata from (values, scale[, exponent]) refs,
+  decoded: float32 (br, bc). Lanes outside `mask` hold codes 0."""
+  br, bc = q_refs[0].shape
+  codes = _common.masked_load(q_refs[0], mask, 0.0)
+  scale = _common.masked_load(q_refs[1], gmask, 1.0)
+  exponent = (_common.masked_load(q_refs[2], gmask, 1.0)
+              if len(q_refs) == 3 else None)
+  out = reference.decode_groups(
+      codes.reshape(br, bc // group_size, group_size), scale, exponent, dtype,
+      ops)
+  return out.reshape(br, bc)
+
+
+def store_groups(x, q_refs, mask, gmask, group_size, dtype, expansion,
+                 scale_dtype, ops):
+  """Quantizes a float32 tile (br, bc) whose lanes outside `mask` are 0 and
+  stores values, scale (and exponent) to `q_refs`."""
+  br, bc = x.shape
+  values, scale, exponent = reference.encode_groups(
+      x.reshape(br, bc // group_size, group_size), dtype, expansion,
+      scale_dtype, ops)
+  pltriton.store(q_refs[0], values.reshape(br, bc), mask=mask)
+  pltriton.store(q_refs[1], scale, mask=gmask)
+  if expansion:
+    pltriton.store(q_refs[2], exponent, mask=gmask)
+
+
 def _quantize_kernel(x_ref, *out_refs, rows, cols, ncb, group_size, dtype,
                      expansion, scale_dtype, ops):
-  br, bc = x_ref.shape
-  ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
+  _, mask, gmask = _common.group_tile(
+      x_ref.shape, ncb, rows, cols, group_size)
   x = _common.masked_load(x_ref, mask, 0.0)
-  values, scale, exponent = reference.encode_groups(
-      x.reshape(br, ng, group_size), dtype, expansion, scale_dtype, ops)
-  pltriton.store(out_refs[0], values.reshape(br, bc), mask=mask)
-  pltriton.store(out_refs[1], scale, mask=gmask)
-  if expansion:
-    pltriton.store(out_refs[2], exponent, mask=gmask)
+  store_groups(x, out_refs, mask, gmask, group_size, dtype, expansion,
+               scale_dtype, ops)
 
 
 @functools.partial(
@@ -89,19 +113,12 @@ def quantize_per_group(
   return values, scale, exponent
 
 
-def _dequantize_kernel(v_ref, s_ref, *refs, rows, cols, ncb, group_size,
-                       dtype, expansion, ops):
-  e_ref, o_ref = refs if expansion else (None, refs[0])
-  br, bc = v_ref.shape
-  ng, mask, gmask = _common.group_tile((br, bc), ncb, rows, cols, group_size)
-  q = _common.masked_load(v_ref, mask, 0.0)
-  scale = pltriton.load(s_ref, mask=gmask)
-  exponent = None
-  if expansion:
-    exponent = _common.masked_load(e_ref, gmask, 1.0)
-  out = reference.decode_groups(
-      q.reshape(br, ng, group_size), scale, exponent, dtype, ops)
-  pltriton.store(o_ref, out.reshape(br, bc).astype(o_ref.dtype), mask=mask)
+def _dequantize_kernel(*refs, rows, cols, ncb, group_size, dtype, ops):
+  *q_refs, o_ref = refs
+  _, mask, gmask = _common.group_tile(
+      o_ref.shape, ncb, rows, cols, group_size)
+  out = load_groups(q_refs, mask, gmask, group_size, dtype, ops)
+  pltriton.store(o_ref, out.astype(o_ref.dtype), mask=mask)
 
 
 @functools.partial(
@@ -127,7 +144,7 @@ def dequantize_per_group(
   kernel = functools.partial(
       _dequantize_kernel, rows=rows, cols=cols, ncb=ncb,
       group_size=group_size, dtype=values.dtype,
-      expansion=expansion, ops=_common.kernel_ops(interpret))
+      ops=_common.kernel_ops(interpret))
   out = pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=_spec((br, bc), ncb),
       out_shape=jax.ShapeDtypeStruct((rows, cols), out_dtype),
