@@ -46,16 +46,16 @@ def classify(name: str) -> str:
   return 'other'
 
 
-def step_times(setup, state, batch, steps):
+def step_times(step, state, batch, steps):
   """Median seconds per step (and the last state) after 2 s of warm-up."""
   start = time.perf_counter()
   while time.perf_counter() - start < 2.0:
-    state, metrics = setup.train_step(state, *batch)
+    state, metrics = step(state, *batch)
     jax.block_until_ready(metrics)
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    state, metrics = setup.train_step(state, *batch)
+    state, metrics = step(state, *batch)
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - t0)
   return statistics.median(times), state
@@ -94,11 +94,11 @@ def profile(config, steps):
     state = setup.init_state()
     compiled = setup.train_step.lower(state, *batch).compile()
     compile_s = time.perf_counter() - t0
-    seconds, state = step_times(setup, state, batch, steps)
+    seconds, state = step_times(compiled, state, batch, steps)
     trace_dir = tempfile.mkdtemp(prefix='step_profile_')
     with jax.profiler.trace(trace_dir):
       for _ in range(3):
-        state, metrics = setup.train_step(state, *batch)
+        state, metrics = compiled(state, *batch)
       jax.block_until_ready(metrics)
   # Peak memory is per process: train_modes.py measures it, one mode each.
   temp = compiled.memory_analysis().temp_size_in_bytes
