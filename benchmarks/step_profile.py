@@ -11,6 +11,7 @@ modes can be compared op class by op class.
 import argparse
 import collections
 import glob
+import json
 import os
 import re
 import statistics
@@ -103,7 +104,7 @@ def profile(config, steps):
   # Peak memory is per process: train_modes.py measures it, one mode each.
   temp = compiled.memory_analysis().temp_size_in_bytes
   return dict(seconds=seconds, compile_s=compile_s, temp=temp,
-              kernels=kernel_totals(trace_dir, 3))
+              kernels=kernel_totals(trace_dir, 3), hlo=compiled.as_text())
 
 
 def main():
@@ -113,6 +114,9 @@ def main():
   parser.add_argument('--steps', type=int, default=10)
   parser.add_argument('--top', type=int, default=12)
   parser.add_argument('--set', nargs='*', default=[])
+  parser.add_argument('--dump', default=None,
+                      help='folder for each mode\'s optimized HLO and its'
+                      ' kernel times (JSON), to look up what a kernel runs')
   args = parser.parse_args()
   base = training.load_config(args.config)
   results = {}
@@ -120,6 +124,12 @@ def main():
     config = training.apply_overrides(
         base, [*MODES[mode], 'train.checkpoint_every=0', *args.set])
     results[mode] = r = profile(config, args.steps)
+    if args.dump:
+      os.makedirs(args.dump, exist_ok=True)
+      with open(os.path.join(args.dump, f'{mode}.hlo.txt'), 'w') as f:
+        f.write(r['hlo'])
+      with open(os.path.join(args.dump, f'{mode}.kernels.json'), 'w') as f:
+        json.dump(dict(r['kernels'].most_common()), f, indent=0)
     tokens = config.train.batch_size * config.data.seq_len
     print(f'\n== {mode}: {r["seconds"] * 1e3:.1f} ms/step,'
           f' {tokens / r["seconds"]:,.0f} tokens/s, compile+init'

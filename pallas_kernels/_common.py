@@ -61,24 +61,36 @@ def fp8_max(dtype: Any) -> float:
   return float(jnp.finfo(fp8_dtype(dtype)).max)
 
 
-def saturate(x: jax.Array, dtype: Any) -> jax.Array:
+def saturate(x: jax.Array, dtype: Any, ops: 'Ops | None' = None) -> jax.Array:
   """Clips float32 `x` to +-fp8_max, then casts (round to nearest even).
 
   Equal to `jnp.clip(x, -m, m).astype(dtype)` on every input (NaN stays NaN,
-  -0 stays -0), written with selects because Triton lowers min/max to
-  NaN-dropping `minnumf`/`maxnumf`.
+  -0 stays -0), clipped by `ops.clip` (default `XLA_OPS`).
   """
   dt = fp8_dtype(dtype)
   m = fp8_max(dt)
-  x = jnp.where(x > m, m, x)
-  x = jnp.where(x < -m, -m, x)
-  return x.astype(dt)
+  return (ops or XLA_OPS).clip(x, -m, m).astype(dt)
 
 
 def clip(x: jax.Array, lo: float, hi: float) -> jax.Array:
-  """`jnp.clip` with NaN propagated on every backend."""
+  """`jnp.clip` with NaN propagated on every backend, as two selects.
+
+  For the kernels: Triton lowers min/max (and clamp) to NaN-dropping
+  `minnumf`/`maxnumf`.
+  """
   x = jnp.where(x < lo, lo, x)
   return jnp.where(x > hi, hi, x)
+
+
+def clamp(x: jax.Array, lo: float, hi: float) -> jax.Array:
+  """`jnp.clip` for XLA: one clamp with scalar bounds (NaN propagates).
+
+  Not `clip`'s selects: `jnp.where(x > hi, hi, x)` broadcasts the constant
+  to x's shape, and under `lax.scan` autodiff jax hoists such constant-only
+  values out of the loop and carries them as materialized arrays (on the 1b
+  model: 2 GiB of them, read by every layer).
+  """
+  return lax.clamp(jnp.asarray(lo, x.dtype), x, jnp.asarray(hi, x.dtype))
 
 
 def with_sign_of(a: jax.Array, x: jax.Array) -> jax.Array:
@@ -130,11 +142,13 @@ class Ops:
     div_scalar: x / y for one scalar y with 2^-126 <= |y| <= 2^126, the same
       bits as the references' x / y (XLA's division by a broadcast scalar).
     sqrt: float32 square root.
+    clip: clip(x, lo, hi) to scalar bounds, NaN propagated.
   """
 
   div: Callable[[Any, Any], jax.Array]
   div_scalar: Callable[[Any, Any], jax.Array]
   sqrt: Callable[[Any], jax.Array]
+  clip: Callable[[Any, float, float], jax.Array] = clamp
 
 
 def _times_reciprocal(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -152,13 +166,14 @@ XLA_OPS = Ops(div=jnp.divide, div_scalar=jnp.divide, sqrt=jnp.sqrt)
 # Triton's own lowering (div.full.f32, libdevice sqrt/log/exp) reproduced
 # XLA's results bit for bit there (quantize and dequantize with expansion:
 # 0 of 8.4M elements differ), so the GPU kernels use it.
-TRITON_OPS = Ops(div=lax.div, div_scalar=_times_reciprocal, sqrt=jnp.sqrt)
+TRITON_OPS = Ops(div=lax.div, div_scalar=_times_reciprocal, sqrt=jnp.sqrt,
+                 clip=clip)
 # Correctly rounded PTX instructions instead: IEEE results, but 14% of a
 # dequantize's outputs then differ from XLA's in the last bits.
 _ieee_div = lambda a, b: _asm('div.rn.f32 $0, $1, $2;', a, b)
 TRITON_IEEE_OPS = Ops(
     div=_ieee_div, div_scalar=_ieee_div,
-    sqrt=lambda a: _asm('sqrt.rn.f32 $0, $1;', a),
+    sqrt=lambda a: _asm('sqrt.rn.f32 $0, $1;', a), clip=clip,
 )
 
 

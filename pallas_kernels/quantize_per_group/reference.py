@@ -64,10 +64,17 @@ def reciprocal(c: float) -> np.float32:
 def store_scale(
     scale: jax.Array, amax: jax.Array, scale_dtype: Any
 ) -> jax.Array:
-  """Rounds the scale to its storage dtype; 1 where it is 0, NaN if amax is."""
+  """Rounds the scale to its storage dtype; 1 where it is 0, NaN if amax is
+  not finite.
+
+  Exact additions instead of `jnp.where(..., 1.0, ...)`, whose broadcast
+  constants jax would hoist out of a scanned layer (see `_common.clamp`):
+  scale >= 0 gains 1 only where it is 0, and amax - amax is 0 for a finite
+  amax and NaN otherwise.
+  """
   scale = scale.astype(scale_dtype)
-  scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-  return jnp.where(jnp.isfinite(amax), scale, jnp.full_like(scale, jnp.nan))
+  scale = scale + (scale == 0).astype(scale.dtype)
+  return scale + (amax - amax).astype(scale.dtype)
 
 
 def expansion_exponent(
@@ -80,7 +87,7 @@ def expansion_exponent(
   """
   steps = jnp.floor(ops.div(
       EXPANSION_STEPS * math.log(expansion_range(dtype)), log_ratio))
-  k = _common.clip(steps * reciprocal(EXPANSION_STEPS), K_MIN, K_MAX)
+  k = ops.clip(steps * reciprocal(EXPANSION_STEPS), K_MIN, K_MAX)
   return jnp.where(log_ratio >= 0, k, 1.0).astype(jnp.float32)
 
 
@@ -158,7 +165,7 @@ def encode_groups(
   if not expansion:
     scale = store_scale(amax * reciprocal(fmax), amax, scale_dtype)
     codes = ops.div(groups, scale.astype(jnp.float32)[..., None])
-    return _common.saturate(codes, dt), scale, None
+    return _common.saturate(codes, dt, ops), scale, None
   # (|x| / M)^k = exp(k (ln|x| - ln M)), M as stored: no division (a
   # multiply by 1/M would flush for M > 2^126), and |x| == M gives exactly
   # fp8_max. ln M is 0 for all-zero groups (M = 1), NaN for non-finite ones.
@@ -172,7 +179,7 @@ def encode_groups(
     # Saturate: a bf16 scale rounded below max |x| takes codes past fp8_max.
     # With M = max |x| itself, codes <= fp8_max (an exp rounded up to 1 + ulp
     # still casts to fp8_max), so no clip is needed.
-    codes = jnp.where(codes > fmax, fmax, codes)
+    codes = ops.clip(codes, 0.0, fmax)
   return _common.with_sign_of(codes, groups).astype(dt), scale, exponent
 
 

@@ -68,7 +68,7 @@ def _quantize_kernel(s_ref, x_ref, *out_refs, rows, cols, ncb, dtype,
                      transpose, ops):
   i, j, mask, x = _tile(x_ref, rows, cols, ncb)
   scale = s_ref[...].astype(jnp.float32)  # (1, 1)
-  values = _common.saturate(ops.div(x, scale), dtype)
+  values = _common.saturate(ops.div(x, scale), dtype, ops)
   pltriton.store(out_refs[0], values, mask=mask)
   if transpose:
     pltriton.store(out_refs[1], values.T, mask=mask.T)

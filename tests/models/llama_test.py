@@ -109,6 +109,41 @@ def test_unrolled_layers_equal_scanned(precision):
   assert _cos(g_loop, g_scan) > (0.9999 if bf16 else 0.995)
 
 
+def _hoisted_scan_constants(jaxpr, length):
+  """Avals of the constants of every scan of `length` steps that an equation
+  computes (not a param or input): what jax's scan autodiff hoists out of
+  the loop."""
+  found = []
+  made = {o for eqn in jaxpr.eqns for o in eqn.outvars}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'scan' and eqn.params['length'] == length:
+      consts = eqn.invars[:eqn.params['num_consts']]
+      found += [v.aval for v in consts if v in made]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _hoisted_scan_constants(sub, length)
+  return found
+
+
+@pytest.mark.parametrize('precision', MODES)
+def test_scanned_layers_carry_no_activation_sized_constants(precision):
+  """A constant broadcast in the layer body (jnp.where(x > m, m, x)) is
+  hoisted out of the scan by autodiff and carried as a full array: on the 1b
+  model such copies of +-448 took 2 GiB and ~20 ms per step."""
+  cfg = cm.LlamaConfig.preset('tiny', num_layers=3)  # the scan of 3 steps
+  batch, seq = 2, 64
+  model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
+  graph, state = nnx.split(model)
+  tokens = jnp.zeros((batch, seq), jnp.int32)
+  loss_fn = lambda s: cm.lm_loss(nnx.merge(graph, s), tokens, tokens)
+  jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(state).jaxpr
+  activation = batch * seq * cfg.hidden_size
+  big = [a for a in _hoisted_scan_constants(jaxpr, cfg.num_layers)
+         if a.size >= activation
+         # XLA attention's causal mask (CPU only; cuDNN on GPU builds none).
+         and tuple(a.shape[-2:]) != (seq, seq)]
+  assert not big, big
+
+
 def test_param_dtypes_and_logical_axes():
   cfg = cm.LlamaConfig.preset('tiny')
   model = cm.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
