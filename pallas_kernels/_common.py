@@ -141,12 +141,15 @@ class Ops:
     div: float32 division.
     div_scalar: x / y for one scalar y with 2^-126 <= |y| <= 2^126, the same
       bits as the references' x / y (XLA's division by a broadcast scalar).
+    div2: (x / y) / z for a scalar y as the references' XLA computes it: on
+      the GPU its simplifier rewrites it to x / (y * z).
     sqrt: float32 square root.
     clip: clip(x, lo, hi) to scalar bounds, NaN propagated.
   """
 
   div: Callable[[Any, Any], jax.Array]
   div_scalar: Callable[[Any, Any], jax.Array]
+  div2: Callable[[Any, Any, Any], jax.Array]
   sqrt: Callable[[Any], jax.Array]
   clip: Callable[[Any, float, float], jax.Array] = clamp
 
@@ -162,17 +165,20 @@ def _times_reciprocal(x: jax.Array, y: jax.Array) -> jax.Array:
 # The references run XLA's own ops. On the GPU, XLA's float32 division and
 # sqrt are not correctly rounded (seen on an H200, jax 0.11.2: 29% of
 # quotients and 17% of roots differ from IEEE), and neither are its log/exp.
-XLA_OPS = Ops(div=jnp.divide, div_scalar=jnp.divide, sqrt=jnp.sqrt)
+XLA_OPS = Ops(div=jnp.divide, div_scalar=jnp.divide,
+              div2=lambda x, y, z: x / y / z, sqrt=jnp.sqrt)
 # Triton's own lowering (div.full.f32, libdevice sqrt/log/exp) reproduced
 # XLA's results bit for bit there (quantize and dequantize with expansion:
 # 0 of 8.4M elements differ), so the GPU kernels use it.
-TRITON_OPS = Ops(div=lax.div, div_scalar=_times_reciprocal, sqrt=jnp.sqrt,
+TRITON_OPS = Ops(div=lax.div, div_scalar=_times_reciprocal,
+                 div2=lambda x, y, z: lax.div(x, y * z), sqrt=jnp.sqrt,
                  clip=clip)
 # Correctly rounded PTX instructions instead: IEEE results, but 14% of a
 # dequantize's outputs then differ from XLA's in the last bits.
 _ieee_div = lambda a, b: _asm('div.rn.f32 $0, $1, $2;', a, b)
 TRITON_IEEE_OPS = Ops(
     div=_ieee_div, div_scalar=_ieee_div,
+    div2=lambda x, y, z: _ieee_div(_ieee_div(x, y), z),
     sqrt=lambda a: _asm('sqrt.rn.f32 $0, $1;', a), clip=clip,
 )
 
@@ -180,8 +186,10 @@ TRITON_IEEE_OPS = Ops(
 # Interpreted kernels run as XLA on the host, where XLA rewrites x / y for a
 # broadcast scalar y into x * (1 / y) in the references but not in the
 # interpreted kernel: it is spelled out there.
+_interpret_div_scalar = lambda x, y: x * jnp.divide(np.float32(1), y)
 INTERPRET_OPS = dataclasses.replace(
-    XLA_OPS, div_scalar=lambda x, y: x * jnp.divide(np.float32(1), y))
+    XLA_OPS, div_scalar=_interpret_div_scalar,
+    div2=lambda x, y, z: _interpret_div_scalar(x, y) / z)
 
 
 def kernel_ops(interpret: bool) -> Ops:

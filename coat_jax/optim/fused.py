@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from optax._src import numerics
 
@@ -31,7 +32,7 @@ def fused_coat_adamw(
     expansion: bool = True,
     implementation: str | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-  """`apply(grads, state, params) -> (new_params, new_state)`.
+  """`apply(grads, state, params, apply_if=True) -> (new_params, new_state)`.
 
   The state is that of `coat_adamw(...)` with the same arguments (FP8
   moments in both slots); the result equals `tx.update` followed by
@@ -42,18 +43,23 @@ def fused_coat_adamw(
     learning_rate, b1, b2, eps, weight_decay, mask, group_size, expansion:
       as for `coat_adamw`.
     implementation: None (the fastest available), 'xla' or 'pallas'.
+
+  `apply_if` (a bool scalar, e.g. whether the gradients are finite) False
+  skips the step: params and state come back unchanged, count included. The
+  kernel then writes nothing, so it stays in place, where a `jnp.where` on
+  its results would keep the old state alive and copy it.
   """
 
-  def apply(grads, state, params):
+  def apply(grads, state, params, apply_if=True):
     adam, decay_state, lr_state = state
     if not isinstance(adam, ScaleByCoatAdamState):
       raise TypeError('state must come from coat_adamw(...).init, got'
                       f' {type(adam).__name__} in its first slot.')
+    step = lambda c: jnp.where(apply_if, numerics.safe_increment(c), c)
     count = numerics.safe_increment(adam.count)
     if callable(learning_rate):
       lr = learning_rate(lr_state.count)
-      lr_state = lr_state._replace(
-          count=numerics.safe_increment(lr_state.count))
+      lr_state = lr_state._replace(count=step(lr_state.count))
     else:
       lr = learning_rate
     if mask is None:
@@ -70,12 +76,13 @@ def fused_coat_adamw(
         fused_step.coat_adam_step(
             p, g, m, v, count, learning_rate=lr, b1=b1, b2=b2, eps=eps,
             weight_decay=weight_decay if d else None, group_size=group_size,
-            expansion=expansion, implementation=implementation)
+            expansion=expansion, apply=apply_if,
+            implementation=implementation)
         for p, g, m, v, d in zip(
             jax.tree.leaves(params), treedef.flatten_up_to(grads), mus, nus,
             treedef.flatten_up_to(decay), strict=True)]
     new = lambda i: treedef.unflatten([o[i] for o in out])
-    return new(0), (ScaleByCoatAdamState(count, new(1), new(2)),
+    return new(0), (ScaleByCoatAdamState(step(adam.count), new(1), new(2)),
                     decay_state, lr_state)
 
   return apply

@@ -47,7 +47,9 @@ class OptimConfig:
   group_size: int = 128
   moment_dtypes: tuple[str, ...] = ('e4m3', 'e4m3')
   expansion: bool = True
-  fused: bool = False  # one fused pass per leaf (coat_adamw, FP8 moments)
+  # One fused pass per leaf (coat_adamw with FP8 moments; the Pallas kernel
+  # on one Hopper GPU). None: fused whenever the optimizer allows it.
+  fused: bool | None = None
 
 
 @dataclasses.dataclass
@@ -180,6 +182,16 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
   return config
 
 
+def can_fuse(o: OptimConfig) -> bool:
+  """Whether `fused_coat_adamw` can run this optimizer."""
+  return o.name == 'coat_adamw' and 'float32' not in o.moment_dtypes
+
+
+def uses_fused_optimizer(o: OptimConfig) -> bool:
+  """optim.fused resolved: None means fused where it can run."""
+  return can_fuse(o) if o.fused is None else o.fused
+
+
 def _field_names(cls) -> list[str]:
   return [f.name for f in dataclasses.fields(cls)]
 
@@ -222,7 +234,7 @@ def validate(config: Config, num_devices: int) -> None:
   if t.checkpoint_every < 0:
     raise ValueError('train.checkpoint_every must be >= 0 (0: only on'
                      ' Ctrl-C).')
-  if o.fused and (o.name != 'coat_adamw' or 'float32' in o.moment_dtypes):
+  if o.fused and not can_fuse(o):
     raise ValueError('optim.fused=true needs optim.name=coat_adamw with FP8'
                      f' moments (got {o.name}, {o.moment_dtypes}).')
   if not 0 < d.val_fraction < 1:

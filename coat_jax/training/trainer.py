@@ -62,18 +62,19 @@ def make_optimizer(config: config_lib.Config) -> optax.GradientTransformation:
 
 
 def _fused_update(config: config_lib.Config):
-  """(grads, opt_state, params) -> (params, opt_state) through
-  `fused_coat_adamw`, on the state of `make_optimizer(config)`."""
+  """(grads, opt_state, params, apply_if) -> (params, opt_state) through
+  `fused_coat_adamw`, on the state of `make_optimizer(config)`; apply_if
+  False leaves params and state as they are."""
   o = config.optim
   clip = optax.clip_by_global_norm(o.clip_norm)
   apply = optim.fused_coat_adamw(**_adamw_args(config),
                                  group_size=o.group_size,
                                  expansion=o.expansion)
 
-  def update(grads, opt_state, params):
+  def update(grads, opt_state, params, apply_if):
     clip_state, adamw_state = opt_state
-    grads, clip_state = clip.update(grads, clip_state)
-    params, adamw_state = apply(grads, adamw_state, params)
+    grads, clip_state = clip.update(grads, clip_state)  # clip keeps no state
+    params, adamw_state = apply(grads, adamw_state, params, apply_if)
     return params, (clip_state, adamw_state)
 
   return update
@@ -115,7 +116,8 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   names = {path: v.get_metadata().get('out_sharding') for path, v in
            nnx.to_flat_state(nnx.state(abstract_model, nnx.Param))}
   tx = make_optimizer(config)
-  fused_update = _fused_update(config) if config.optim.fused else None
+  fused_update = (_fused_update(config)
+                  if config_lib.uses_fused_optimizer(config.optim) else None)
 
   def model_params():
     return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
@@ -167,17 +169,19 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       loss, grads = jax.tree.map(lambda x: x / n, (loss, grads))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # A non-finite step changes nothing but the step and the fault count.
     if fused_update is None:
       updates, opt_state = tx.update(grads, state['opt_state'], params)
-      new_params = optax.apply_updates(params, updates)
-    else:
-      new_params, opt_state = fused_update(grads, state['opt_state'], params)
-    # A non-finite step changes nothing but the step and the fault count.
-    keep = lambda new, old: jax.tree.map(
-        lambda a, b: jnp.where(finite, a, b), new, old)
+      new_params, opt_state = jax.tree.map(
+          lambda a, b: jnp.where(finite, a, b),
+          (optax.apply_updates(params, updates), opt_state),
+          (params, state['opt_state']))
+    else:  # Skipped inside, so that the kernel updates in place.
+      new_params, opt_state = fused_update(
+          grads, state['opt_state'], params, finite)
     new_state = {
-        'params': keep(new_params, params),
-        'opt_state': keep(opt_state, state['opt_state']),
+        'params': new_params,
+        'opt_state': opt_state,
         'step': state['step'] + 1,
         'nonfinite': state['nonfinite'] + (~finite).astype(jnp.int32),
     }

@@ -36,7 +36,7 @@ def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: Any, nu: Any, count: jax.Array,
     *, learning_rate: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
     weight_decay: Any = None, group_size: int = 128, expansion: bool = True,
-    implementation: str | None = None
+    apply: Any = True, implementation: str | None = None
 ) -> tuple[jax.Array, Any, Any]:
   """One COAT AdamW step on one leaf: new (param, mu, nu), in one pass.
 
@@ -58,6 +58,9 @@ def coat_adam_step(
       leaves).
     group_size: the moments' group size (static).
     expansion: whether the moments use dynamic range expansion (static).
+    apply: a bool scalar; False returns param and moments unchanged (a
+      skipped step: non-finite gradients). Unlike a `jnp.where` after the
+      step, it keeps the Pallas kernel in place: no copy of the old state.
     implementation: None (fastest available), 'xla' or 'pallas'.
 
   Returns:
@@ -89,12 +92,13 @@ def coat_adam_step(
     hp = reference.hyperparams(
         count, learning_rate, b1, b2, eps, weight_decay)
     p, m2, v2 = pallas_triton.coat_adam_step(
-        param, grad, m, v, hp, group_size=group_size, expansion=expansion,
+        param, grad, m, v, hp, apply, group_size=group_size,
+        expansion=expansion,
         apply_weight_decay=not reference._no_decay(weight_decay),
         interpret=interpret)
   else:
     p, m2, v2 = reference.coat_adam_step(
         param, grad, m, v, count, learning_rate=learning_rate, b1=b1, b2=b2,
         eps=eps, weight_decay=weight_decay, group_size=group_size,
-        expansion=expansion)
+        expansion=expansion, apply=apply)
   return p, _rebuild(mu, m2), _rebuild(nu, v2)

@@ -23,6 +23,7 @@ from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
 from pallas_kernels.quantize_per_group import reference as group_reference
 
 _HP_NAMES = ('c1', 'b1', 'c2', 'b2', 'bc1', 'bc2', 'eps', 'wd', 'neg_lr')
+_APPLY = len(_HP_NAMES)  # hp_vec[_APPLY] == 0: write nothing (skipped step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,15 +53,18 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
     group_pallas.store_groups(x, q_refs, mask, gmask, group_size, dtype,
                               expansion, scale_dtype, ops)
 
-  p = _common.masked_load(p_ref, mask, 0.0)
-  g = _common.masked_load(g_ref, mask, 0.0)
-  load_moment = lambda q_refs, meta: group_pallas.load_groups(
-      q_refs, mask, gmask, group_size, meta[0], ops)
-  m, v = load_moment(mu_in, mu_meta), load_moment(nu_in, nu_meta)
-  p, m, v = reference.update(p, g, m, v, hp, apply_weight_decay, ops)
-  pltriton.store(p_out, p.astype(p_out.dtype), mask=mask)
-  encode(m, mu_out, mu_meta)
-  encode(v, nu_out, nu_meta)
+  # A skipped step writes nothing: the aliased outputs keep the inputs.
+  @pl.when(hp_ref[_APPLY] != 0)
+  def _():
+    p = _common.masked_load(p_ref, mask, 0.0)
+    g = _common.masked_load(g_ref, mask, 0.0)
+    load_moment = lambda q_refs, meta: group_pallas.load_groups(
+        q_refs, mask, gmask, group_size, meta[0], ops)
+    m, v = load_moment(mu_in, mu_meta), load_moment(nu_in, nu_meta)
+    p, m, v = reference.update(p, g, m, v, hp, apply_weight_decay, ops)
+    pltriton.store(p_out, p.astype(p_out.dtype), mask=mask)
+    encode(m, mu_out, mu_meta)
+    encode(v, nu_out, nu_meta)
 
 
 @functools.partial(
@@ -69,11 +73,16 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
                      'block_sizes', 'interpret'))
 def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: reference.Moment,
-    nu: reference.Moment, hp: dict[str, jax.Array], *, group_size: int,
+    nu: reference.Moment, hp: dict[str, jax.Array],
+    apply: jax.Array | bool = True, *, group_size: int,
     expansion: bool, apply_weight_decay: bool,
     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
 ) -> tuple[jax.Array, reference.Moment, reference.Moment]:
-  """Pallas version of `reference.coat_adam_step` given its hyperparams."""
+  """Pallas version of `reference.coat_adam_step` given its hyperparams.
+
+  With `apply` False (a bool scalar) no program writes: param and moments
+  come back as given, in place.
+  """
   shape = param.shape
   rows, cols = _common.as_2d(shape)
   ngt = pl.cdiv(cols, group_size)
@@ -95,7 +104,8 @@ def coat_adam_step(
   moment_specs = [tile, gtile] + ([gtile] if expansion else [])
   in_specs = [tile, tile, *moment_specs, *moment_specs]
   hp_vec = jnp.stack([hp[n] for n in _HP_NAMES]
-                     + [jnp.float32(0)] * (16 - len(_HP_NAMES)))
+                     + [jnp.asarray(apply, jnp.float32)]
+                     + [jnp.float32(0)] * (15 - len(_HP_NAMES)))
   kernel = functools.partial(
       _kernel, rows=rows, cols=cols, ncb=ncb, group_size=group_size,
       expansion=expansion, apply_weight_decay=apply_weight_decay,

@@ -65,9 +65,8 @@ def update(
   """The float32 AdamW arithmetic on dequantized moments: (p, m, v) new."""
   m = hp['c1'] * g + hp['b1'] * m
   v = hp['c2'] * (g * g) + hp['b2'] * v
-  m_hat = ops.div_scalar(m, hp['bc1'])
   v_hat = ops.div_scalar(v, hp['bc2'])
-  u = ops.div(m_hat, ops.sqrt(v_hat) + hp['eps'])
+  u = ops.div2(m, hp['bc1'], ops.sqrt(v_hat) + hp['eps'])  # m_hat / den
   if apply_weight_decay:
     u = u + hp['wd'] * p
   return p + hp['neg_lr'] * u, m, v
@@ -77,9 +76,12 @@ def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: Moment, nu: Moment,
     count: jax.Array, *, learning_rate: Any, b1: Any = 0.9, b2: Any = 0.999,
     eps: Any = 1e-8, weight_decay: Any = None, group_size: int = 128,
-    expansion: bool = True
+    expansion: bool = True, apply: Any = True
 ) -> tuple[jax.Array, Moment, Moment]:
-  """One fused COAT AdamW step for one leaf, in jnp (see module doc)."""
+  """One fused COAT AdamW step for one leaf, in jnp (see module doc).
+
+  With `apply` False (a bool scalar) param and moments come back unchanged.
+  """
   hp = hyperparams(count, learning_rate, b1, b2, eps, weight_decay)
   deq = lambda q: group_reference.dequantize_per_group(
       q.values, q.scale, q.exponent, group_size)
@@ -89,7 +91,11 @@ def coat_adam_step(
   quant = lambda x, like: Moment(*group_reference.quantize_per_group(
       x, group_size, like.values.dtype, expansion,
       scale_dtype=like.scale.dtype))
-  return p.astype(param.dtype), quant(m, mu), quant(v, nu)
+  new = (p.astype(param.dtype), quant(m, mu), quant(v, nu))
+  if apply is True:
+    return new
+  return jax.tree.map(lambda a, b: jnp.where(apply, a, b), new,
+                      (param, mu, nu))
 
 
 def _no_decay(weight_decay: Any) -> bool:

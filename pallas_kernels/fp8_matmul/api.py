@@ -96,18 +96,25 @@ def _check_scale(name: str, s) -> jax.Array:
 
 
 def _xla_matmul(a, b, scale, out_dtype):
-  """XLA path: cuBLASLt FP8 precise accumulation on GPU, exact f32 on CPU."""
+  """XLA path: cuBLASLt FP8 precise accumulation on GPU, exact f32 on CPU.
+
+  The GEMM writes out_dtype itself and the scale multiplies its result: XLA
+  fuses no runtime scale into cuBLASLt, and a float32 result costs a
+  BF16-sized extra write and read per GEMM (1b train step on an H100: 270.2
+  -> 250.8 ms, benchmarks/RESULTS.md). With BF16 out the result is rounded
+  twice, to within 1 ulp instead of 1/2; the CPU path rounds the same way.
+  """
   if jax.default_backend() == 'gpu':
     acc = jax.lax.dot_general(
         a, b, _DIMS,
         precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
-        preferred_element_type=jnp.float32)
+        preferred_element_type=out_dtype)
   else:  # The FP8 preset is GPU-only; FP8 products are exact in float32.
     acc = jax.lax.dot_general(
         a.astype(jnp.float32), b.astype(jnp.float32), _DIMS,
         precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32)
-  return (acc * scale).astype(out_dtype)
+        preferred_element_type=jnp.float32).astype(out_dtype)
+  return (acc.astype(jnp.float32) * scale).astype(out_dtype)
 
 
 def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
@@ -123,10 +130,11 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
     b_scale: () float32 dequantization scale of b.
     out_dtype: jnp.bfloat16 (default) or jnp.float32.
     implementation: 'xla' (cuBLASLt FP8 with precise FP32 accumulation on
-      GPU; an exact float32 dot elsewhere), 'pallas' (the Mosaic GPU wgmma
-      kernel, Hopper only), 'triton' (a Triton-language kernel through
-      jax_triton, Hopper only; `pip install jax-triton`) or None (the
-      measured-fastest: xla). M, N and K must be multiples of 16.
+      GPU, writing out_dtype, then scaled: a BF16 result is rounded twice;
+      an exact float32 dot elsewhere, rounded the same way), 'pallas' (the
+      Mosaic GPU wgmma kernel, Hopper only), 'triton' (a Triton-language
+      kernel through jax_triton, Hopper only; `pip install jax-triton`) or
+      None (the measured-fastest: xla). M, N and K must be multiples of 16.
 
   Returns:
     (M, N) array of out_dtype.

@@ -83,6 +83,19 @@ def test_xla_path_matches_reference(a_dtype, b_dtype):
   np.testing.assert_array_equal(out, ref)
 
 
+def test_xla_bf16_output_is_rounded_then_scaled():
+  """BF16 out: the GEMM writes BF16 (no float32 result in memory on GPU)
+  and the scale multiplies it, so the result is rounded twice."""
+  ka, kb = jax.random.split(jax.random.key(4))
+  a = (jax.random.normal(ka, (32, 64)) * 3).astype(E4M3)
+  b = (jax.random.normal(kb, (16, 64)) * 3).astype(E4M3)
+  out = fp8_matmul(a, b, 0.37, 1.9, implementation='xla')
+  acc = f64_ref(a, b).astype(np.float32)  # exact here: small K
+  acc = np.asarray(jnp.asarray(acc).astype(jnp.bfloat16), np.float32)
+  want = jnp.asarray(acc * (np.float32(0.37) * np.float32(1.9)))
+  np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
+
+
 def test_scales_not_one():
   ka, kb = jax.random.split(jax.random.key(2))
   a = (jax.random.normal(ka, (32, 64)) * 3).astype(E4M3)

@@ -54,3 +54,24 @@ def test_fused_needs_fp8_moments_and_its_own_state():
     apply(params, fp32.init(params), params)
   with pytest.raises(TypeError, match='coat_adamw'):
     apply(params, optax.adamw(1e-3).init(params), params)
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_apply_if_false_skips_the_step(implementation):
+  kw = dict(learning_rate=optax.linear_schedule(1e-2, 1e-3, 5),
+            weight_decay=0.1)
+  apply = jax.jit(coat_jax.optim.fused_coat_adamw(
+      **kw, implementation=implementation))
+  params = _params()
+  state = coat_jax.coat_adamw(**kw).init(params)
+  p, state = apply(_grads(params, 0), state, params)
+  bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(params, 1))
+  p2, state2 = apply(bad, state, p, jnp.bool_(False))
+  for a, b in zip(jax.tree.leaves((p2, state2)), jax.tree.leaves((p, state))):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+  assert int(state2[0].count) == 1 and int(state2[2].count) == 1
+  p3, state3 = apply(_grads(params, 1), state, p, jnp.bool_(True))
+  assert int(state3[0].count) == 2 and int(state3[2].count) == 2
+  assert not np.array_equal(np.asarray(p3['w']), np.asarray(p['w']))

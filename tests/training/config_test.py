@@ -126,3 +126,16 @@ def test_stdlib_split_is_deterministic_and_by_file():
   a = data_lib._split_files(files, 0.05, root)
   b = data_lib._split_files(files, 0.05, root)
   assert a == b and a[1] and not set(a[0]) & set(a[1])
+
+
+@pytest.mark.parametrize('overrides,fused', [
+    ([], True),  # coat_adamw with FP8 moments: fused by default
+    (['optim.fused=false'], False),
+    (['optim.name=adamw'], False),
+    (['optim.moment_dtypes=e4m3,float32'], False),
+    (['optim.fused=none', 'optim.name=adamw'], False),
+])
+def test_fused_optimizer_default(overrides, fused):
+  config = training.apply_overrides(training.Config(), overrides)
+  training.validate(config, 1)
+  assert training.config.uses_fused_optimizer(config.optim) is fused

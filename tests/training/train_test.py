@@ -14,6 +14,7 @@ import pytest
 
 from coat_jax import quant
 from coat_jax import training
+from coat_jax.training import config as config_lib
 from coat_jax.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -46,17 +47,20 @@ def test_microbatches_accumulate_the_same_gradient(tiny_config, tmp_path):
   summary, losses_two = _train(two, jax.devices()[:1])
   assert summary['step'] == 3
   # Step 1 sees the same params: the mean of the two halves' losses is the
-  # whole batch's loss. Later steps differ by FP8 scales taken per
-  # microbatch (per-tensor amax of each half) and float reordering.
-  np.testing.assert_allclose(losses_two[0], losses_one[0], rtol=1e-5)
+  # whole batch's loss, up to the FP8 scales taken per microbatch
+  # (per-tensor amax of each half): each FP8 GEMM rounds its BF16 result
+  # before the scale multiplies it, so another scale moves it by <= 1 ulp.
+  # Later steps differ by those and float reordering.
+  np.testing.assert_allclose(losses_two[0], losses_one[0], rtol=2e-4)
   np.testing.assert_allclose(losses_two, losses_one, rtol=2e-2)
 
 
 def test_fused_optimizer_step_trains_like_the_optax_path(tiny_config,
                                                        tmp_path):
-  plain = tiny_config(train={'run_dir': str(tmp_path / 'plain')})
-  fused = tiny_config(train={'run_dir': str(tmp_path / 'fused')},
-                      optim={'fused': True})
+  plain = tiny_config(train={'run_dir': str(tmp_path / 'plain')},
+                      optim={'fused': False})
+  fused = tiny_config(train={'run_dir': str(tmp_path / 'fused')})
+  assert config_lib.uses_fused_optimizer(fused.optim)  # the default
   _, losses_plain = _train(plain, jax.devices()[:1])
   _, losses_fused = _train(fused, jax.devices()[:1])
   np.testing.assert_allclose(losses_fused, losses_plain, rtol=1e-4)
@@ -175,8 +179,9 @@ def test_half_written_checkpoint_leaves_the_previous_loadable(tiny_config,
   assert summary['resumed_from'] == 3 and summary['step'] == 4
 
 
-def test_poisoned_gradient_is_skipped_and_counted(tiny_config):
-  config = tiny_config()
+@pytest.mark.parametrize('optim', [{}, {'name': 'coat_adamw', 'fused': True}])
+def test_poisoned_gradient_is_skipped_and_counted(tiny_config, optim):
+  config = tiny_config(optim=optim)
   setup = training.build(config, jax.devices()[:1])
   state = setup.init_state()
   before = jax.tree.map(np.asarray, state)
