@@ -5,8 +5,9 @@ weight per-tensor to E4M3 just in time and keeps only the FP8 input and its
 scale (the weights are params, alive anyway: backward requantizes them). The
 backward quantizes each output gradient per-tensor to E5M2 and runs dgrad
 (dy . W) and wgrad (x^T . dy) as FP8 GEMMs. `fp8_matmul` needs K-major
-operands, so wgrad uses transposed FP8 copies made with `jnp.transpose` (a
-fused quantize+transpose kernel can replace them).
+operands, so the input and the output gradients are quantized together with
+their FP8 transposes, in one pass (`pallas_kernels.quantize_per_tensor`),
+and the input is saved transposed.
 
 Several kernels may share one input (Q/K/V, gate/up): the input is then
 quantized and saved once.
@@ -25,6 +26,7 @@ from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
 from coat_jax.quant import quantize_per_tensor
+from pallas_kernels.quantize_per_tensor import api as tensor_quant
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
@@ -38,32 +40,39 @@ def _fp8_dense_2d(x, kernels, implementation):
   return _fp8_dense_fwd(x, kernels, implementation)[0]
 
 
+def _quantize_with_transpose(x, dtype):
+  """(values (M, N), scale, values.T (N, M)) in one pass: the Pallas kernel
+  on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA else."""
+  return tensor_quant.quantize_per_tensor(x, dtype, transpose=True,
+                                          implementation=None)
+
+
 def _fp8_dense_fwd(x, kernels, implementation):
-  xq = quantize_per_tensor(x, 'e4m3')
+  x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
   outs = []
   for w in kernels:
     wq = quantize_per_tensor(w, 'e4m3')
     outs.append(fp8_matmul(
-        xq.values, wq.values.T, xq.scale, wq.scale, out_dtype=x.dtype,
+        x_values, wq.values.T, x_scale, wq.scale, out_dtype=x.dtype,
         implementation=implementation))
-  return tuple(outs), (xq.values, xq.scale, kernels)
+  # Saved: x^T (K, M), the K-major operand of wgrad (as many bytes as x).
+  return tuple(outs), (x_t, x_scale, kernels)
 
 
 def _fp8_dense_bwd(implementation, residuals, grads):
-  x_values, x_scale, kernels = residuals
-  x_t = x_values.T  # (K, M): K-major operand of wgrad.
+  x_t, x_scale, kernels = residuals
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
   for w, g in zip(kernels, grads, strict=True):
-    gq = quantize_per_tensor(g, 'e5m2')
+    g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
     wq = quantize_per_tensor(w, 'e4m3')
-    part = fp8_matmul(gq.values, wq.values, gq.scale, wq.scale,
+    part = fp8_matmul(g_values, wq.values, g_scale, wq.scale,
                       out_dtype=dgrad_dtype, implementation=implementation)
     dx = part if dx is None else dx + part
     dkernels.append(fp8_matmul(
-        x_t, gq.values.T, x_scale, gq.scale, out_dtype=w.dtype,
+        x_t, g_t, x_scale, g_scale, out_dtype=w.dtype,
         implementation=implementation))
   return dx.astype(dtype), tuple(dkernels)
 

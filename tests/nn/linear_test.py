@@ -94,15 +94,16 @@ def test_fanout_shares_the_input_and_sums_dgrad():
     assert _rel(a, b) < 0.1
   res = cnn.saved_residuals(cnn.fp8_dense, x, [w1, w2])
   assert [str(r.dtype) for r in res] == ['float8_e4m3fn', 'float32']
-  assert res[0].shape == (32, 64) and res[1].shape == ()
+  assert res[0].shape == (64, 32) and res[1].shape == ()  # x^T, saved once
 
 
 def test_saves_only_the_fp8_input_and_its_scale():
   x = jax.random.normal(_key(), (2, 40, 64), jnp.bfloat16)
   w = jnp.ones((64, 32))
   res = cnn.saved_residuals(_fp8, x, w)
+  # The input is saved transposed (K, M): the K-major operand of wgrad.
   assert [(r.shape, str(r.dtype)) for r in res] == [
-      ((80, 64), 'float8_e4m3fn'), ((), 'float32')]
+      ((64, 80), 'float8_e4m3fn'), ((), 'float32')]
 
 
 def test_nan_input_gives_nan_output():
