@@ -49,18 +49,26 @@ def chunked_cross_entropy(
   w = head.astype(dtype)
 
   @jax.checkpoint
-  def chunk_loss(h_c, t_c, w):
+  def chunk_totals(h_c, t_c, w):
     logits = _logits(h_c, w)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(
         logits, jnp.maximum(t_c, 0)[:, None], axis=-1)[:, 0]
-    return jnp.sum(jnp.where(t_c >= 0, lse - picked, 0.0))
+    valid = t_c >= 0
+    # Loss and count reduced as one array: with tokens sharded, one
+    # all-reduce after the logits. A separate count all-reduce depends on
+    # nothing and XLA:CPU may run it beside the layers' while loop, whose
+    # own all-reduces then meet it in different orders on different
+    # devices: a deadlock.
+    per_token = jnp.stack([jnp.where(valid, lse - picked, 0.0),
+                           valid.astype(jnp.float32)], axis=-1)
+    return jnp.sum(per_token, axis=0)
 
-  sums = jax.lax.map(
-      lambda xs: chunk_loss(xs[0], xs[1], w),
+  totals = jax.lax.map(
+      lambda xs: chunk_totals(xs[0], xs[1], w),
       (h.reshape(-1, chunk, width), t.reshape(-1, chunk)))
-  count = jnp.sum(t >= 0).astype(jnp.float32)
-  return jnp.sum(sums), count
+  loss_sum, count = jnp.sum(totals, axis=0)
+  return loss_sum, count
 
 
 @jax.custom_vjp
