@@ -44,8 +44,10 @@ def test_loss_and_gradients_match_full_softmax(chunk_size):
     g = np.asarray(g, np.float32)
     ref = np.asarray(ref, np.float32)
     assert np.all(np.isfinite(g))
-    # The logits gradient is rounded to BF16 before the backward GEMMs.
-    np.testing.assert_allclose(g, ref, atol=1e-2 * np.abs(ref).max())
+    # The logits gradient is rounded to BF16 before the backward GEMMs, and
+    # dh is BF16 itself: up to 2 BF16 ulps (2^-7 relative) on top.
+    np.testing.assert_allclose(g, ref, rtol=2**-7,
+                               atol=1e-2 * np.abs(ref).max())
     cos = g.ravel() @ ref.ravel() / np.linalg.norm(g) / np.linalg.norm(ref)
     assert cos > 0.9999
   assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32
