@@ -313,10 +313,10 @@ SWEEP = [
     C(block_k=128, split_k=1),
     C(block_k=256, split_k=2),
     C(block_k=256, split_k=2, cluster_m=2),
-    C(block_k=256, split_k=2, max_stages=2),
-    C(block_k=256, split_k=1),
-    C(block_k=128, split_k=1, block_n=192, cluster_m=2),
-    C(block_k=256, split_k=2, grid_tile_width=16),
+    C(block_k=256, split_k=2, chain_tiles=True),
+    C(block_k=256, split_k=2, chain_tiles=True, overlap_epilogue=True),
+    C(block_k=256, split_k=2, chain_tiles=True, cluster_m=2),
+    C(block_k=128, split_k=1, chain_tiles=True, max_stages=6),
     C(block_n=256, block_k=128, promote=False, split_k=1),  # fast acc.
 ]
 
@@ -324,7 +324,7 @@ SWEEP = [
 def run_sweep(args, log):
   global_warmup(2.0)
   rows = []
-  shapes = [SHAPES[0], SHAPES[3]]
+  shapes = [SHAPES[0], SHAPES[3], SHAPES[4]]  # 8192^3, qkv wgrad, o fwd
   for name, m, n, k, a_dtype in shapes:
     a, b = operands(m, n, k, a_dtype)
     s = jnp.float32(0.75)

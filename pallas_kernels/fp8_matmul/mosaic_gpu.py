@@ -59,6 +59,13 @@ class Config:
     cluster_m: 1, or 2 to pair CTAs along M and multicast their B tile.
     grid_minor_m: walk the tile grid with M as the minor dimension.
     grid_tile_width: width of the snake-order bands of the tile walk.
+    chain_tiles: run all of a CTA's tiles as one pipeline over (tile, k)
+      steps, so that TMA loads the next tile's first steps while the compute
+      warpgroups finish a tile and write it (needs promote). Otherwise each
+      tile is its own pipeline, which drains and refills between tiles.
+    overlap_epilogue: with chain_tiles, issue a tile's first wgmmas before
+      writing the previous tile, so the tensor cores work during the write
+      (costs registers: both accumulators are live).
   """
 
   block_m: int = 128
@@ -70,6 +77,8 @@ class Config:
   cluster_m: int = 1
   grid_minor_m: bool = True
   grid_tile_width: int = 8
+  chain_tiles: bool = False
+  overlap_epilogue: bool = False
 
   def validate(self, itemsize: int):
     if self.block_m % 128:
@@ -85,6 +94,10 @@ class Config:
       raise ValueError('block_k / split_k must span a multiple of 128 B.')
     if self.split_k > 1 and not self.promote:
       raise ValueError('split_k > 1 needs promote=True.')
+    if self.chain_tiles and not self.promote:
+      raise ValueError('chain_tiles needs promote=True.')
+    if self.overlap_epilogue and not self.chain_tiles:
+      raise ValueError('overlap_epilogue needs chain_tiles=True.')
     wg_regs = (self.block_m // 2) * self.block_n // 128
     n_acc = 1 + self.split_k if self.promote else 1
     if wg_regs * n_acc > 200:
@@ -145,13 +158,40 @@ def _plan_smem(cfg: Config, in_itemsize: int,
   return best
 
 
+def _store_tile(acc, scale_ref, out_tile, out_smem, wg):
+  """Scales warpgroup wg's f32 accumulator, casts it to out_tile's dtype and
+  TMA-stores it to out_tile (GMEM), through out_smem[wg] in column chunks."""
+  epi_n = out_smem.shape[-1]
+  y = (acc * scale_ref[0]).astype(out_tile.dtype)
+  for j in range(acc.shape[1] // epi_n):
+    cols = slice(j * epi_n, (j + 1) * epi_n)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[wg] = y[:, cols]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[:, cols])
+
+
+def _issue_wgmmas(accs, a_smem, b_smem):
+  """One wgmma per accumulator, each over its 1/len(accs) share of K."""
+  sub_k = a_smem.shape[1] // len(accs)
+  for j, acc in enumerate(accs):
+    ks = pl.ds(j * sub_k, sub_k)
+    plgpu.wgmma(acc, a_smem.at[:, ks], b_smem.at[:, ks].T)
+
+
+def _promote(total, accs):
+  """total + the wgmma results, waiting for one wgmma at a time."""
+  for j, acc in enumerate(accs):
+    total = total + plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - j)
+  return total
+
+
 def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
             m_iters: int, n_iters: int, k_iters: int, stages: int):
   """Kernel body: a (M, K), b (N, K), s (1,) f32 in GMEM; out (M, N)."""
   in_transforms_a = _transforms(a_gmem.dtype, cfg.block_k)
   in_transforms_b = _transforms(b_gmem.dtype, cfg.block_k)
   wg_m = cfg.block_m // 2
-  epi_n = out_smem.shape[-1]
   # Without promotion, keep one wgmma in flight and release its SMEM a step
   # later; with promotion each step waits for its own wgmma.
   delay = 0 if cfg.promote or k_iters < 2 else 1
@@ -201,28 +241,14 @@ def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
       wg_sl = pl.ds(wg * wg_m, wg_m)
 
       def epilogue(acc):
-        y = (acc * s_gmem[0]).astype(out_gmem.dtype)
-        out_tile = out_gmem.at[m_sl, n_sl].at[wg_sl]
-        for j in range(cfg.block_n // epi_n):
-          cols = slice(j * epi_n, (j + 1) * epi_n)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          out_smem[wg] = y[:, cols]
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[:, cols])
+        _store_tile(acc, s_gmem, out_gmem.at[m_sl, n_sl].at[wg_sl], out_smem,
+                    wg)
 
       if cfg.promote:
-        sub_k = cfg.block_k // cfg.split_k
-
         def body(_, a_smem, b_smem, carry):
           def step(*accs):
-            total = carry
-            for j, acc in enumerate(accs):
-              ks = pl.ds(j * sub_k, sub_k)
-              plgpu.wgmma(acc, a_smem.at[wg_sl, ks], b_smem.at[:, ks].T)
-            for j, acc in enumerate(accs):  # wait for one wgmma at a time
-              total = total + plgpu.wgmma_accumulator_load(
-                  acc, wait_n=len(accs) - 1 - j)
-            return total
+            _issue_wgmmas(accs, a_smem.at[wg_sl], b_smem)
+            return _promote(carry, accs)
           return pl.run_scoped(
               step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] *
               cfg.split_k)
@@ -248,6 +274,83 @@ def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
       make_pipeline(body, context)(
           a_gmem.at[m_sl, :], b_gmem.at[n_sl, :], allocations=allocs)
 
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _chained_kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *,
+                    cfg: Config, m_iters: int, n_iters: int, k_iters: int,
+                    stages: int, num_ctas: int):
+  """`_kernel` as one pipeline over (tile, k) steps of this CTA's tiles.
+
+  CTA c owns tiles c, c + num_ctas, ...; every CTA runs
+  ceil(tiles / num_ctas) of them, the surplus ones recomputing the last tile
+  without writing it (they would otherwise idle), so the grid is static.
+  The carry is the FP32 accumulator; step (t, 0) writes tile t - 1 and
+  restarts it, and the context writes the last tile.
+  """
+  wg_m = cfg.block_m // 2
+  num_tiles = m_iters * n_iters
+  tiles_per_cta = pl.cdiv(num_tiles, num_ctas)
+  sm = lax.axis_index('sm')
+  cta = lax.axis_index('cluster')
+  wg = lax.axis_index('wg')
+  wg_sl = pl.ds(wg * wg_m, wg_m)
+
+  def tile(t):
+    """(m block, n block, whether this CTA writes it) of its t-th tile."""
+    lin = sm + t * num_ctas
+    mc, ni = plgpu.planar_snake(
+        jnp.minimum(lin, num_tiles - 1), (m_iters, n_iters),
+        0 if cfg.grid_minor_m else 1, cfg.grid_tile_width)
+    return mc * cfg.cluster_m + cta, ni, lin < num_tiles
+
+  def write(acc, t):
+    mi, ni, owned = tile(t)
+    out_tile = out_gmem.at[pl.ds(mi * cfg.block_m, cfg.block_m),
+                           pl.ds(ni * cfg.block_n, cfg.block_n)].at[wg_sl]
+    pl.when(owned)(lambda: _store_tile(acc, s_gmem, out_tile, out_smem, wg))
+
+  def body(idx, a_smem, b_smem, carry):
+    t, k = idx
+    write_previous = lambda: write(carry, t - 1)
+    if not cfg.overlap_epilogue:
+      pl.when((k == 0) & (t > 0))(write_previous)
+
+    def step(*accs):
+      _issue_wgmmas(accs, a_smem.at[wg_sl], b_smem)
+      if cfg.overlap_epilogue:
+        pl.when((k == 0) & (t > 0))(write_previous)
+      return _promote(jnp.where(k == 0, 0.0, carry), accs)
+    return pl.run_scoped(
+        step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * cfg.split_k)
+
+  def context(run_pipeline):
+    init = plgpu.layout_cast(
+        jnp.zeros((wg_m, cfg.block_n), jnp.float32), plgpu.Layout.WGMMA)
+    write(run_pipeline(init), tiles_per_cta - 1)
+
+  a_index = lambda t, k: (tile(t)[0], k)
+  b_index = lambda t, k: (tile(t)[1], k)
+  plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(tiles_per_cta, k_iters),
+      memory_registers=_MEMORY_REGISTERS,
+      in_specs=[
+          plgpu.BlockSpec(
+              (cfg.block_m, cfg.block_k), a_index,
+              transforms=_transforms(a_gmem.dtype, cfg.block_k),
+              memory_space=plgpu.SMEM),
+          plgpu.BlockSpec(
+              (cfg.block_n, cfg.block_k), b_index,
+              transforms=_transforms(b_gmem.dtype, cfg.block_k),
+              memory_space=plgpu.SMEM,
+              collective_axes=('cluster',) if cfg.cluster_m == 2 else ()),
+      ],
+      wg_axis='wg',
+      num_compute_wgs=2,
+      max_concurrent_steps=stages,
+      compute_context=context,
+  )(a_gmem, b_gmem)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -318,12 +421,15 @@ def _fp8_matmul_mosaic(a, b, scale, out_dtype, config):
   out_smem = plgpu.SMEM(
       (2, cfg.block_m // 2, epi_n), out_dtype,
       transforms=_transforms(out_dtype, epi_n))
+  num_ctas = _num_sms() // cfg.cluster_m
+  kernel = (functools.partial(_chained_kernel, num_ctas=num_ctas)
+            if cfg.chain_tiles else _kernel)
   f = plgpu.kernel(
-      functools.partial(_kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
+      functools.partial(kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
                         k_iters=k_iters, stages=stages),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
       scratch_types=[out_smem],
-      grid=(_num_sms() // cfg.cluster_m,),
+      grid=(num_ctas,),
       grid_names=('sm',),
       cluster=(cfg.cluster_m,),
       cluster_names=('cluster',),

@@ -225,6 +225,39 @@ def test_validation(kwargs, match):
                args.pop('b_scale'), **args)
 
 
+# Mosaic GPU kernel variants: the default, one pipeline across a CTA's tiles
+# (with and without the epilogue after the next wgmmas), clusters.
+MOSAIC_CONFIGS = [
+    mosaic_gpu.Config(),
+    mosaic_gpu.Config(chain_tiles=True),
+    mosaic_gpu.Config(chain_tiles=True, overlap_epilogue=True),
+    mosaic_gpu.Config(chain_tiles=True, cluster_m=2),
+    mosaic_gpu.Config(block_k=128, split_k=1, chain_tiles=True),
+]
+MOSAIC_IDS = ['default', 'chain', 'chain_overlap', 'chain_cluster2',
+              'chain_k128']
+
+
+@pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
+def test_mosaic_kernel_lowers_for_cuda(config):
+  """Pallas lowers each variant to Mosaic GPU here, without a GPU."""
+  a = jax.ShapeDtypeStruct((384, 512), E5M2)
+  b = jax.ShapeDtypeStruct((256, 512), E4M3)
+  s = jax.ShapeDtypeStruct((), jnp.float32)
+  f = jax.jit(lambda a, b, s: mosaic_gpu.fp8_matmul_mosaic(
+      a, b, s, config=config))
+  text = f.trace(a, b, s).lower(lowering_platforms=('cuda',)).as_text()
+  assert 'mosaic_gpu' in text
+
+
+def test_mosaic_chain_config_errors():
+  with pytest.raises(ValueError, match='chain_tiles needs promote'):
+    mosaic_gpu.Config(block_n=256, block_k=128, promote=False, split_k=1,
+                      chain_tiles=True).validate(1)
+  with pytest.raises(ValueError, match='overlap_epilogue needs chain_tiles'):
+    mosaic_gpu.Config(overlap_epilogue=True).validate(1)
+
+
 # ---------------------------------------------------------------- GPU tests
 
 
@@ -302,6 +335,30 @@ def test_kernel_accuracy_vs_cublaslt_precise(implementation, a_dtype, b_dtype,
   # Pallas measured no worse than cuBLASLt; Triton is allowed 2x.
   slack = {'pallas': 1.0, 'triton': 2.0}[implementation]
   assert err <= slack * xla_err + 1e-6, (err, xla_err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
+@pytest.mark.parametrize('mnk', [(256, 256, 512), (2048, 1152, 1024),
+                                 (4224, 2176, 768)])
+def test_mosaic_configs_exact_and_nan_stays_in_its_tile(config, mnk):
+  """Exact on small integers with fewer, a few more and many more tiles than
+  CTAs (chained pipelines then carry the accumulator across tiles); a NaN
+  in one row of A poisons that row only."""
+  m, n, k = mnk
+  ka, kb = jax.random.split(jax.random.key(m + k))
+  a = small_ints(ka, (m, k), E5M2)
+  b = small_ints(kb, (n, k), E4M3)
+  out = mosaic_gpu.fp8_matmul_mosaic(a, b, jnp.float32(0.5),
+                                     out_dtype=jnp.float32, config=config)
+  np.testing.assert_array_equal(out, f64_ref(a, b) * 0.5)
+  a = a.at[130, 7].set(jnp.nan)
+  out = np.asarray(mosaic_gpu.fp8_matmul_mosaic(
+      a, b, jnp.float32(0.5), out_dtype=jnp.float32, config=config))
+  assert np.isnan(out[130]).all()
+  rows = np.arange(m) != 130
+  np.testing.assert_array_equal(out[rows], (f64_ref(a, b) * 0.5)[rows])
 
 
 @pytest.mark.gpu
