@@ -171,12 +171,13 @@ def _store_tile(acc, scale_ref, out_tile, out_smem, wg):
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[:, cols])
 
 
-def _issue_wgmmas(accs, a_smem, b_smem):
-  """One wgmma per accumulator, each over its 1/len(accs) share of K."""
+def _issue_wgmmas(accs, a_smem, b_smem, rows):
+  """One wgmma per accumulator, each over its 1/len(accs) share of K, with
+  the A rows `rows` (this warpgroup's)."""
   sub_k = a_smem.shape[1] // len(accs)
   for j, acc in enumerate(accs):
     ks = pl.ds(j * sub_k, sub_k)
-    plgpu.wgmma(acc, a_smem.at[:, ks], b_smem.at[:, ks].T)
+    plgpu.wgmma(acc, a_smem.at[rows, ks], b_smem.at[:, ks].T)
 
 
 def _promote(total, accs):
@@ -247,7 +248,7 @@ def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
       if cfg.promote:
         def body(_, a_smem, b_smem, carry):
           def step(*accs):
-            _issue_wgmmas(accs, a_smem.at[wg_sl], b_smem)
+            _issue_wgmmas(accs, a_smem, b_smem, wg_sl)
             return _promote(carry, accs)
           return pl.run_scoped(
               step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] *
@@ -317,7 +318,7 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *,
       pl.when((k == 0) & (t > 0))(write_previous)
 
     def step(*accs):
-      _issue_wgmmas(accs, a_smem.at[wg_sl], b_smem)
+      _issue_wgmmas(accs, a_smem, b_smem, wg_sl)
       if cfg.overlap_epilogue:
         pl.when((k == 0) & (t > 0))(write_previous)
       return _promote(jnp.where(k == 0, 0.0, carry), accs)
