@@ -87,6 +87,29 @@ def test_meshes_give_the_single_device_losses(tiny_config, tmp_path):
     np.testing.assert_allclose(losses, reference, rtol=2e-3, err_msg=mesh)
 
 
+@pytest.mark.parametrize('step', ['train_step', 'eval_step'])
+def test_no_collective_runs_beside_the_layer_loop(tiny_config, step):
+  """With the batch sharded, no all-reduce precedes the layers' while loop.
+
+  XLA:CPU may run such an all-reduce concurrently with the loop, whose own
+  all-reduces then meet it in different orders on different devices: the
+  8-device mesh test deadlocked so (the loss' token count, now reduced
+  together with the loss).
+  """
+  config = tiny_config(mesh={'data': 8, 'fsdp': 1, 'tensor': 1})
+  setup = training.build(config, jax.devices())
+  batch = jax.ShapeDtypeStruct(
+      (config.train.batch_size, config.data.seq_len), jnp.int32)
+  params = setup.abstract_state['params']
+  args = ((setup.abstract_state, batch, batch) if step == 'train_step'
+          else (params, batch, batch))
+  hlo = getattr(setup, step).lower(*args).compile().as_text()
+  entry = hlo[hlo.index('\nENTRY'):]
+  first_loop = entry.index(' while(')
+  assert ' all-reduce(' in entry[first_loop:]  # the test sees collectives
+  assert ' all-reduce(' not in entry[:first_loop], step
+
+
 def test_fp8_state_carries_the_param_sharding(tiny_config):
   config = tiny_config(optim={'group_size': 16},
                        mesh={'data': 1, 'fsdp': 8, 'tensor': 1})
