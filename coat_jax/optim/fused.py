@@ -56,7 +56,7 @@ def fused_coat_adamw(
       raise TypeError('state must come from coat_adamw(...).init, got'
                       f' {type(adam).__name__} in its first slot.')
     step = lambda c: jnp.where(apply_if, numerics.safe_increment(c), c)
-    count = numerics.safe_increment(adam.count)
+    count = numerics.safe_increment(adam.count)  # this step's, for the math
     if callable(learning_rate):
       lr = learning_rate(lr_state.count)
       lr_state = lr_state._replace(count=step(lr_state.count))
@@ -82,7 +82,8 @@ def fused_coat_adamw(
             jax.tree.leaves(params), treedef.flatten_up_to(grads), mus, nus,
             treedef.flatten_up_to(decay), strict=True)]
     new = lambda i: treedef.unflatten([o[i] for o in out])
-    return new(0), (ScaleByCoatAdamState(step(adam.count), new(1), new(2)),
+    kept_count = jnp.where(apply_if, count, adam.count)
+    return new(0), (ScaleByCoatAdamState(kept_count, new(1), new(2)),
                     decay_state, lr_state)
 
   return apply

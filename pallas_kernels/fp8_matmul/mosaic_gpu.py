@@ -187,37 +187,44 @@ def _promote(total, accs):
   return total
 
 
+def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
+              a_dtype, b_dtype, stages: int, delay: int = 0):
+  """The warp-specialized pipeline both kernels run: TMA streams
+  (block_m, block_k) tiles of A at `a_index(*step)` and (block_n, block_k)
+  tiles of B at `b_index(*step)` to two compute warpgroups."""
+  return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=grid,
+      memory_registers=_MEMORY_REGISTERS,
+      in_specs=[
+          plgpu.BlockSpec(
+              (cfg.block_m, cfg.block_k), a_index,
+              transforms=_transforms(a_dtype, cfg.block_k),
+              memory_space=plgpu.SMEM, delay_release=delay),
+          plgpu.BlockSpec(
+              (cfg.block_n, cfg.block_k), b_index,
+              transforms=_transforms(b_dtype, cfg.block_k),
+              memory_space=plgpu.SMEM, delay_release=delay,
+              collective_axes=('cluster',) if cfg.cluster_m == 2 else ()),
+      ],
+      wg_axis='wg',
+      num_compute_wgs=2,
+      max_concurrent_steps=stages,
+      compute_context=context,
+  )
+
+
 def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
             m_iters: int, n_iters: int, k_iters: int, stages: int):
   """Kernel body: a (M, K), b (N, K), s (1,) f32 in GMEM; out (M, N)."""
-  in_transforms_a = _transforms(a_gmem.dtype, cfg.block_k)
-  in_transforms_b = _transforms(b_gmem.dtype, cfg.block_k)
   wg_m = cfg.block_m // 2
   # Without promotion, keep one wgmma in flight and release its SMEM a step
   # later; with promotion each step waits for its own wgmma.
   delay = 0 if cfg.promote or k_iters < 2 else 1
-  b_collective = ('cluster',) if cfg.cluster_m == 2 else ()
-
-  def make_pipeline(body, context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(k_iters,),
-        memory_registers=_MEMORY_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec(
-                (cfg.block_m, cfg.block_k), lambda k: (0, k),
-                transforms=in_transforms_a, memory_space=plgpu.SMEM,
-                delay_release=delay),
-            plgpu.BlockSpec(
-                (cfg.block_n, cfg.block_k), lambda k: (0, k),
-                transforms=in_transforms_b, memory_space=plgpu.SMEM,
-                delay_release=delay, collective_axes=b_collective),
-        ],
-        wg_axis='wg',
-        num_compute_wgs=2,
-        max_concurrent_steps=stages,
-        compute_context=context,
-    )
+  make_pipeline = lambda body, context: _pipeline(
+      body, context, cfg=cfg, grid=(k_iters,), a_index=lambda k: (0, k),
+      b_index=lambda k: (0, k), a_dtype=a_gmem.dtype, b_dtype=b_gmem.dtype,
+      stages=stages, delay=delay)
 
   ignore = lambda *_, **__: None
 
@@ -313,14 +320,17 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *,
 
   def body(idx, a_smem, b_smem, carry):
     t, k = idx
-    write_previous = lambda: write(carry, t - 1)
+
+    def write_previous():
+      pl.when((k == 0) & (t > 0))(lambda: write(carry, t - 1))
+
     if not cfg.overlap_epilogue:
-      pl.when((k == 0) & (t > 0))(write_previous)
+      write_previous()
 
     def step(*accs):
       _issue_wgmmas(accs, a_smem, b_smem, wg_sl)
       if cfg.overlap_epilogue:
-        pl.when((k == 0) & (t > 0))(write_previous)
+        write_previous()
       return _promote(jnp.where(k == 0, 0.0, carry), accs)
     return pl.run_scoped(
         step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * cfg.split_k)
@@ -330,28 +340,11 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *,
         jnp.zeros((wg_m, cfg.block_n), jnp.float32), plgpu.Layout.WGMMA)
     write(run_pipeline(init), tiles_per_cta - 1)
 
-  a_index = lambda t, k: (tile(t)[0], k)
-  b_index = lambda t, k: (tile(t)[1], k)
-  plgpu.emit_pipeline_warp_specialized(
-      body,
-      grid=(tiles_per_cta, k_iters),
-      memory_registers=_MEMORY_REGISTERS,
-      in_specs=[
-          plgpu.BlockSpec(
-              (cfg.block_m, cfg.block_k), a_index,
-              transforms=_transforms(a_gmem.dtype, cfg.block_k),
-              memory_space=plgpu.SMEM),
-          plgpu.BlockSpec(
-              (cfg.block_n, cfg.block_k), b_index,
-              transforms=_transforms(b_gmem.dtype, cfg.block_k),
-              memory_space=plgpu.SMEM,
-              collective_axes=('cluster',) if cfg.cluster_m == 2 else ()),
-      ],
-      wg_axis='wg',
-      num_compute_wgs=2,
-      max_concurrent_steps=stages,
-      compute_context=context,
-  )(a_gmem, b_gmem)
+  _pipeline(body, context, cfg=cfg, grid=(tiles_per_cta, k_iters),
+            a_index=lambda t, k: (tile(t)[0], k),
+            b_index=lambda t, k: (tile(t)[1], k),
+            a_dtype=a_gmem.dtype, b_dtype=b_gmem.dtype,
+            stages=stages)(a_gmem, b_gmem)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
