@@ -4,6 +4,8 @@
   python3 benchmarks/matmul.py --sweep         # Pallas tile configs
   python3 benchmarks/matmul.py --accuracy      # error vs K, all paths
   python3 benchmarks/matmul.py --all           # sweep, then main with the best
+  python3 benchmarks/matmul.py --groups        # FP8 1x16 grouped output
+  python3 benchmarks/matmul.py --sweep --semantics warpgroup   # Mosaic's other
   python3 benchmarks/matmul.py --skip bf16 --triton-configs 0   # shorter
 
 All operands are K-major: a (M, K), b (N, K); out (M, N) bfloat16 with the
@@ -35,6 +37,7 @@ import numpy as np
 from pallas_kernels.fp8_matmul import api  # pylint: disable=g-import-not-at-top
 from pallas_kernels.fp8_matmul import mosaic_gpu
 from pallas_kernels.fp8_matmul import triton_peer
+from pallas_kernels.quantize_per_group import api as group_api
 
 PEAK_TFLOPS = 1979.0
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -430,6 +433,66 @@ def run_accuracy(args, log):
     print(f'| {r["dist"]} | {r["a"]} | {r["k"]} | ' + ' | '.join(cells) + ' |')
 
 
+GROUP_SHAPES = [SHAPES[0], SHAPES[7], SHAPES[1]]  # 8192^3, gate/up, qkv fwd
+
+
+def run_groups(args, log):
+  """FP8 1x16 grouped output: the fused epilogue vs GEMM, then quantize.
+
+  Every variant returns (values, scales) of `quantize_per_group(y, 16)`;
+  the unfused ones write y (float32 or BF16) and read it back. Ratios are
+  to the fastest unfused variant.
+  """
+  del args
+  global_warmup(2.0)
+  qpg = lambda y, impl: group_api.quantize_per_group(
+      y, 16, 'e4m3', implementation=impl)[:2]
+  variants = [
+      ('pallas fused', lambda a, b, s: api.fp8_matmul_groups(
+          a, b, s, 1.0, implementation='pallas')),
+      ('xla f32 + xla quantize', lambda a, b, s: api.fp8_matmul_groups(
+          a, b, s, 1.0, implementation='xla')),
+      ('xla f32 + pallas quantize', lambda a, b, s: qpg(api.fp8_matmul(
+          a, b, s, 1.0, out_dtype=jnp.float32, implementation='xla'),
+                                                        'pallas')),
+      ('xla bf16 + pallas quantize', lambda a, b, s: qpg(api.fp8_matmul(
+          a, b, s, 1.0, out_dtype=jnp.bfloat16, implementation='xla'),
+                                                         'pallas')),
+      ('pallas f32 + pallas quantize', lambda a, b, s: qpg(api.fp8_matmul(
+          a, b, s, 1.0, out_dtype=jnp.float32, implementation='pallas'),
+                                                           'pallas')),
+      ('xla bf16 alone (no quantize)', lambda a, b, s: api.fp8_matmul(
+          a, b, s, 1.0, out_dtype=jnp.bfloat16, implementation='xla')),
+  ]
+  rows = []
+  for name, m, n, k, a_dtype in GROUP_SHAPES:
+    a, b = operands(m, n, k, a_dtype)
+    s = jnp.float32(0.75)
+    row = dict(shape=name, m=m, n=n, k=k)
+    for label, f in variants:
+      try:
+        med, _, _ = time_fn(jax.jit(f), (a, b, s))
+        row[label] = med * 1e3
+      except Exception as e:  # pylint: disable=broad-except
+        traceback.print_exc()
+        row[label] = f'{type(e).__name__}: {str(e)[:200]}'
+    rows.append(row)
+    print(row, flush=True)
+    del a, b
+  log['groups'] = rows
+  labels = [v[0] for v in variants]
+  print('\n| shape | ' + ' | '.join(labels) + ' | fused vs best unfused |')
+  print('|---' * (len(labels) + 2) + '|')
+  for r in rows:
+    unfused = [r[x] for x in labels[1:-1] if isinstance(r[x], float)]
+    fused = r[labels[0]]
+    ratio = (f'{min(unfused) / fused:.2f}x'
+             if unfused and isinstance(fused, float) else '-')
+    cells = [f'{r[x]:.3f}' if isinstance(r[x], float) else 'ERR'
+             for x in labels]
+    print(f'| {r["shape"]} | ' + ' | '.join(cells) + f' | {ratio} |')
+
+
 def triton32(a, b, cfg):
   if triton_why_not() is not None:
     raise RuntimeError('n/a')
@@ -446,6 +509,9 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument('--sweep', action='store_true')
   p.add_argument('--accuracy', action='store_true')
+  p.add_argument('--groups', action='store_true')
+  p.add_argument('--semantics', choices=('lane', 'warpgroup'), default=None,
+                 help='Mosaic GPU lowering semantics of the Pallas kernel')
   p.add_argument('--quick', action='store_true')
   p.add_argument('--all', action='store_true', help='sweep, then main')
   p.add_argument('--configs', default='', help='sweep indices, e.g. 0,3')
@@ -455,21 +521,27 @@ def main():
                  help='main-table columns to skip, e.g. bf16,xla_api')
   p.add_argument('--out', default=os.environ.get('OUT', '.'))
   args = p.parse_args()
+  if args.semantics:
+    mosaic_gpu.LOWERING_SEMANTICS[0] = getattr(
+        mosaic_gpu.plgpu.LoweringSemantics, args.semantics.capitalize())
   dev = jax.devices()[0]
   log = dict(device=dev.device_kind, jax=jax.__version__,
-             date=datetime.date.today().isoformat())
+             date=datetime.date.today().isoformat(),
+             semantics=str(mosaic_gpu.LOWERING_SEMANTICS[0]))
   print(log, flush=True)
   mode = ('all' if args.all else 'sweep' if args.sweep else
-          'accuracy' if args.accuracy else 'main')
+          'accuracy' if args.accuracy else 'groups' if args.groups else
+          'main')
   try:
     if mode == 'all':
       run_sweep(args, log)
       run_main(args, log)
     else:
-      {'sweep': run_sweep, 'accuracy': run_accuracy, 'main': run_main}[mode](
-          args, log)
+      {'sweep': run_sweep, 'accuracy': run_accuracy, 'groups': run_groups,
+       'main': run_main}[mode](args, log)
   finally:
-    with open(os.path.join(args.out, f'matmul_{mode}.json'), 'w') as fh:
+    tag = f'_{args.semantics}' if args.semantics else ''
+    with open(os.path.join(args.out, f'matmul_{mode}{tag}.json'), 'w') as fh:
       json.dump(log, fh, indent=1, default=str)
 
 

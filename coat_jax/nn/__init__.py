@@ -6,6 +6,7 @@ are `jax.custom_vjp`s whose forward saves only FP8 tensors and tiny scales.
 """
 
 from coat_jax.nn.fp8_matmul import fp8_matmul
+from coat_jax.nn.fp8_matmul import fp8_matmul_groups
 from coat_jax.nn.linear import CoatLinear
 from coat_jax.nn.linear import bf16_dense
 from coat_jax.nn.linear import dense
@@ -26,6 +27,6 @@ from coat_jax.nn.residuals import saved_residuals
 __all__ = [
     'CoatLinear', 'CoatMLP', 'CoatRMSNorm', 'LOGICAL_AXIS_RULES',
     'PRECISIONS', 'activation_residuals', 'bf16_dense', 'dense', 'fanout',
-    'fp8_dense', 'fp8_matmul', 'fp8_rms_norm', 'fp8_swiglu', 'nbytes',
-    'rms_norm', 'saved_residuals', 'swiglu',
+    'fp8_dense', 'fp8_matmul', 'fp8_matmul_groups', 'fp8_rms_norm',
+    'fp8_swiglu', 'nbytes', 'rms_norm', 'saved_residuals', 'swiglu',
 ]

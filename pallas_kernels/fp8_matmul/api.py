@@ -11,8 +11,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common
 from pallas_kernels.fp8_matmul import mosaic_gpu
 from pallas_kernels.fp8_matmul import triton_peer
+from pallas_kernels.quantize_per_group import reference as group_reference
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -38,9 +40,10 @@ def pallas_available() -> bool:
 
 
 # implementation=None picks XLA (cuBLASLt FP8, precise accumulation) even on
-# Hopper: measured in benchmarks/RESULTS.md, the Pallas kernel runs at
-# 0.86-0.99x of cuBLASLt precise per GEMM, and a Llama-2-7B layer in coat
-# mode took 27.6 ms with it against 26.0 ms with XLA. Opt in with 'pallas'.
+# Hopper: measured in benchmarks/RESULTS.md (H100), the Pallas kernel runs at
+# 0.87-0.99x of cuBLASLt precise per GEMM, a Llama-2-7B layer in coat mode
+# took 26.2 ms with it against 24.8 ms with XLA, and the 1b train step 243.4
+# against 243.7 ms. Opt in with 'pallas'.
 PALLAS_IS_DEFAULT = False
 
 
@@ -117,6 +120,23 @@ def _xla_matmul(a, b, scale, out_dtype):
   return (acc.astype(jnp.float32) * scale).astype(out_dtype)
 
 
+def _check_operands(a, b, a_scale, b_scale):
+  """Validates fp8_matmul's operands; returns the product of the scales."""
+  _check_operand('a', a)
+  _check_operand('b', b)
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(
+        f'a (M, K) = {a.shape} and b (N, K) = {b.shape} must have the same K'
+        ' (b is K-major: pass W, not W.T).')
+  if (jnp.dtype(a.dtype), jnp.dtype(b.dtype)) not in _ALLOWED_PAIRS:
+    raise ValueError(
+        f'a.dtype={a.dtype}, b.dtype={b.dtype}: E5M2 x E5M2 is not'
+        ' supported; use E4M3 for at least one operand.')
+  a_scale = _check_scale('a_scale', a_scale)
+  b_scale = _check_scale('b_scale', b_scale)
+  return a_scale * b_scale
+
+
 def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
                out_dtype=jnp.bfloat16,
                implementation: str | None = None) -> jax.Array:
@@ -142,24 +162,63 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
   Raises:
     ValueError: on a bad dtype, shape, scale, out_dtype or implementation.
   """
-  _check_operand('a', a)
-  _check_operand('b', b)
-  if a.shape[1] != b.shape[1]:
-    raise ValueError(
-        f'a (M, K) = {a.shape} and b (N, K) = {b.shape} must have the same K'
-        ' (b is K-major: pass W, not W.T).')
-  if (jnp.dtype(a.dtype), jnp.dtype(b.dtype)) not in _ALLOWED_PAIRS:
-    raise ValueError(
-        f'a.dtype={a.dtype}, b.dtype={b.dtype}: E5M2 x E5M2 is not'
-        ' supported; use E4M3 for at least one operand.')
-  a_scale = _check_scale('a_scale', a_scale)
-  b_scale = _check_scale('b_scale', b_scale)
+  scale = _check_operands(a, b, a_scale, b_scale)
   if jnp.dtype(out_dtype) not in _OUT_DTYPES:
     raise ValueError(f'out_dtype must be bfloat16 or float32, got {out_dtype}.')
   impl = resolve_implementation(implementation)
-  scale = a_scale * b_scale
   if impl == 'pallas':
     return mosaic_gpu.fp8_matmul_mosaic(a, b, scale, out_dtype=out_dtype)
   if impl == 'triton':
     return triton_peer.fp8_matmul_triton(a, b, scale, out_dtype=out_dtype)
   return _xla_matmul(a, b, scale, out_dtype)
+
+
+# implementation=None for the grouped output picks the fused Pallas epilogue
+# on Hopper: measured (benchmarks/RESULTS.md, "FP8 matmul with a grouped
+# output"), it is 1.00-1.12x the fastest GEMM-then-quantize pair (cuBLASLt
+# float32 out + the Pallas quantizer), since the float32 result never
+# reaches memory.
+GROUPS_PALLAS_IS_DEFAULT = True
+
+
+def fp8_matmul_groups(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
+                      dtype='e4m3', implementation: str | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+  """FP8 matmul whose result is written as FP8 1x16 groups.
+
+  y = (a @ b.T) * a_scale * b_scale in float32, returned as
+  `quantize_per_group(y, 16, dtype)` would (linear, float32 scales): per 16
+  consecutive columns of a row, scale = max |y| / fp8_max (1 for an all-zero
+  group, NaN for a group holding NaN or Inf) and values = saturate(y / scale).
+
+  Args:
+    a, b, a_scale, b_scale: as `fp8_matmul`.
+    dtype: FP8 format of the values, 'e4m3' (default) or 'e5m2'.
+    implementation: 'xla' (`fp8_matmul` to float32, then the quantization as
+      a separate XLA fusion), 'pallas' (the Mosaic GPU kernel quantizes in its
+      epilogue: the float32 result never reaches memory; Hopper only) or None
+      ('pallas' on Hopper, where it is the faster; 'xla' elsewhere).
+
+  Returns:
+    (values (M, N) FP8, scales (M, N // 16) float32).
+
+  Raises:
+    ValueError: on bad operands, dtype or implementation.
+  """
+  scale = _check_operands(a, b, a_scale, b_scale)
+  dt = _common.fp8_dtype(dtype)
+  if implementation == 'triton':
+    raise ValueError(
+        "fp8_matmul_groups has no 'triton' implementation; use 'xla' or"
+        " 'pallas'.")
+  if implementation is None:
+    impl = ('pallas' if GROUPS_PALLAS_IS_DEFAULT and pallas_available()
+            else 'xla')
+  else:
+    impl = resolve_implementation(implementation)
+  if impl == 'pallas':
+    return mosaic_gpu.fp8_matmul_mosaic_groups(a, b, scale, dtype=dt)
+  y = _xla_matmul(a, b, scale, jnp.float32)
+  values, scales, _ = group_reference.quantize_per_group(
+      y, 16, dt, False, scale_dtype=jnp.float32)
+  return values, scales

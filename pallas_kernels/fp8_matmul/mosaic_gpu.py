@@ -29,12 +29,15 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 try:  # Mosaic GPU is in jax >= 0.6; keep the module importable without it.
   from jax.experimental import pallas as pl
+  from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   pl = None
+  mgpu = None
   plgpu = None
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -63,6 +66,8 @@ class Config:
       steps, so that TMA loads the next tile's first steps while the compute
       warpgroups finish a tile and write it (needs promote). Otherwise each
       tile is its own pipeline, which drains and refills between tiles.
+      Exact, but measured 3.5x slower on the H100: it spills registers
+      (NOTES.md, "Chained tiles").
     overlap_epilogue: with chain_tiles, issue a tile's first wgmmas before
       writing the previous tile, so the tensor cores work during the write
       (costs registers: both accumulators are live).
@@ -107,6 +112,11 @@ class Config:
 
 
 DEFAULT_CONFIG = Config()
+# Pinned: jax 0.11.2 on the GPU lowered with Warpgroup semantics by default,
+# jax 0.10 (the CPU tests) with Lane. Lane lowers the grouped epilogue (its
+# Warpgroup layout inference did not finish in 10 minutes on jax 0.10) and
+# is what the CPU tests check. A list so a benchmark can compare the two.
+LOWERING_SEMANTICS = [plgpu.LoweringSemantics.Lane if plgpu else None]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -142,14 +152,16 @@ def _epilogue_n(cfg: Config, out_itemsize: int, limit: int) -> int:
   return epi_n
 
 
-def _plan_smem(cfg: Config, in_itemsize: int,
-               out_itemsize: int) -> tuple[int, int]:
-  """(pipeline stages, epilogue columns) that fit shared memory."""
+def _plan_smem(cfg: Config, in_itemsize: int, out_itemsize: int, *,
+               out_cols: int | None = None,
+               extra_bytes: int = 0) -> tuple[int, int]:
+  """(pipeline stages, epilogue columns) that fit shared memory, with
+  `out_cols` epilogue columns if given and `extra_bytes` more for it."""
   per_stage = (cfg.block_m + cfg.block_n) * cfg.block_k * in_itemsize
   best = None
   for limit in (32 * 1024, 16 * 1024):
-    epi_n = _epilogue_n(cfg, out_itemsize, limit)
-    out_bytes = cfg.block_m * epi_n * out_itemsize
+    epi_n = out_cols or _epilogue_n(cfg, out_itemsize, limit)
+    out_bytes = cfg.block_m * epi_n * out_itemsize + extra_bytes
     stages = min(cfg.max_stages, (_SMEM_BUDGET - out_bytes) // per_stage)
     if best is None or stages > best[0]:
       best = (stages, epi_n)
@@ -169,6 +181,83 @@ def _store_tile(acc, scale_ref, out_tile, out_smem, wg):
     out_smem[wg] = y[:, cols]
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[:, cols])
+
+
+GROUP = 16  # columns per scale of the FP8 grouped output
+
+
+def _div_full(x, y):
+  """x / y as XLA's GPU float32 division computes it (PTX div.full.f32).
+
+  Mosaic's own division is correctly rounded (div.rn), XLA's is not, and the
+  grouped epilogue must round like `quantize_per_group` under XLA.
+  """
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+      return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype,
+                                         plgpu.Layout.WGMMA))
+  def div(_, x, y):
+    # pylint: disable-next=protected-access
+    return x._pointwise(mgpu.FragmentedArray._lift_fast_instr('div.full.f32'),
+                        y)
+  return div(x, y)
+
+
+def _store_groups(acc, scale_ref, values_tile, scales_tile, values_smem,
+                  scales_smem, wg):
+  """Writes warpgroup wg's scaled accumulator y (rows, n) as FP8 1x16 groups.
+
+  The math of `quantize_per_group(y, 16, dtype)` (linear, float32 scales):
+  per group, scale = amax |y| / fp8_max (1 for an all-zero group, NaN for a
+  group holding NaN or Inf), values = saturate(y / scale). TMA-stores the
+  codes (rows, n) to values_tile and the scales (rows, n / 16) to
+  scales_tile, through values_smem[wg] and scales_smem[wg].
+  """
+  dtype = values_tile.dtype
+  fmax = float(jnp.finfo(dtype).max)
+  y = acc * scale_ref[0]
+  group = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, y.shape, 1),
+                            plgpu.Layout.WGMMA) // GROUP
+  den = y  # every column is overwritten by its group's scale below
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for j in range(y.shape[1] // GROUP):
+    amax = jnp.max(jnp.abs(y[:, j * GROUP:(j + 1) * GROUP]), axis=1)
+    scale = amax * np.float32(1 / np.float32(fmax))
+    scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)
+    scale = scale + (amax - amax)
+    scales_smem[wg, :, j] = scale
+    den = jnp.where(group == j, lax.broadcast_in_dim(scale, y.shape, (0,)), den)
+  codes = _div_full(y, den)
+  codes = jnp.where(codes > fmax, jnp.full_like(codes, fmax), codes)
+  codes = jnp.where(codes < -fmax, jnp.full_like(codes, -fmax), codes)
+  values_smem[wg] = codes.astype(dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(values_smem.at[wg], values_tile)
+  plgpu.copy_smem_to_gmem(scales_smem.at[wg], scales_tile)
+
+
+def _tile_writer(cfg: Config, s_gmem, outs, smems):
+  """write(acc, mi, ni, wg): stores warpgroup wg's rows of output tile
+  (mi, ni), as `out_dtype` (outs = (out,)) or as FP8 1x16 groups
+  (outs = (values, scales))."""
+  wg_m = cfg.block_m // 2
+  rows = lambda mi, wg: pl.ds(mi * cfg.block_m + wg * wg_m, wg_m)
+  cols = lambda ni: pl.ds(ni * cfg.block_n, cfg.block_n)
+  if len(outs) == 1:
+    (out,), (out_smem,) = outs, smems
+
+    def write(acc, mi, ni, wg):
+      _store_tile(acc, s_gmem, out.at[rows(mi, wg), cols(ni)], out_smem, wg)
+  else:
+    (values, scales), (values_smem, scales_smem) = outs, smems
+    groups = cfg.block_n // GROUP
+
+    def write(acc, mi, ni, wg):
+      r = rows(mi, wg)
+      _store_groups(acc, s_gmem, values.at[r, cols(ni)],
+                    scales.at[r, pl.ds(ni * groups, groups)], values_smem,
+                    scales_smem, wg)
+  return write
 
 
 def _issue_wgmmas(accs, a_smem, b_smem, rows):
@@ -214,10 +303,13 @@ def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
   )
 
 
-def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
-            m_iters: int, n_iters: int, k_iters: int, stages: int):
-  """Kernel body: a (M, K), b (N, K), s (1,) f32 in GMEM; out (M, N)."""
+def _kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config, m_iters: int,
+            n_iters: int, k_iters: int, stages: int):
+  """Kernel body: a (M, K), b (N, K), s (1,) f32 in GMEM, then the outputs
+  and their SMEM buffers (see `_tile_writer`)."""
   wg_m = cfg.block_m // 2
+  write_tile = _tile_writer(cfg, s_gmem, refs[:len(refs) // 2],
+                            refs[len(refs) // 2:])
   # Without promotion, keep one wgmma in flight and release its SMEM a step
   # later; with promotion each step waits for its own wgmma.
   delay = 0 if cfg.promote or k_iters < 2 else 1
@@ -249,8 +341,7 @@ def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
       wg_sl = pl.ds(wg * wg_m, wg_m)
 
       def epilogue(acc):
-        _store_tile(acc, s_gmem, out_gmem.at[m_sl, n_sl].at[wg_sl], out_smem,
-                    wg)
+        write_tile(acc, mi, ni, wg)
 
       if cfg.promote:
         def body(_, a_smem, b_smem, carry):
@@ -285,9 +376,9 @@ def _kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *, cfg: Config,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _chained_kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *,
-                    cfg: Config, m_iters: int, n_iters: int, k_iters: int,
-                    stages: int, num_ctas: int):
+def _chained_kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config,
+                    m_iters: int, n_iters: int, k_iters: int, stages: int,
+                    num_ctas: int):
   """`_kernel` as one pipeline over (tile, k) steps of this CTA's tiles.
 
   CTA c owns tiles c, c + num_ctas, ...; every CTA runs
@@ -303,6 +394,8 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *,
   cta = lax.axis_index('cluster')
   wg = lax.axis_index('wg')
   wg_sl = pl.ds(wg * wg_m, wg_m)
+  write_tile = _tile_writer(cfg, s_gmem, refs[:len(refs) // 2],
+                            refs[len(refs) // 2:])
 
   def tile(t):
     """(m block, n block, whether this CTA writes it) of its t-th tile."""
@@ -314,9 +407,7 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *,
 
   def write(acc, t):
     mi, ni, owned = tile(t)
-    out_tile = out_gmem.at[pl.ds(mi * cfg.block_m, cfg.block_m),
-                           pl.ds(ni * cfg.block_n, cfg.block_n)].at[wg_sl]
-    pl.when(owned)(lambda: _store_tile(acc, s_gmem, out_tile, out_smem, wg))
+    pl.when(owned)(lambda: write_tile(acc, mi, ni, wg))
 
   def body(idx, a_smem, b_smem, carry):
     t, k = idx
@@ -331,14 +422,19 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, out_gmem, out_smem, *,
       _issue_wgmmas(accs, a_smem, b_smem, wg_sl)
       if cfg.overlap_epilogue:
         write_previous()
-      return _promote(jnp.where(k == 0, 0.0, carry), accs)
+      # A cond, not a select: warpgroup semantics has no scalar-predicate
+      # select, and a product with 0 would carry a NaN into the next tile.
+      start = lax.cond(k == 0, zeros, lambda: carry)
+      return _promote(start, accs)
     return pl.run_scoped(
         step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * cfg.split_k)
 
-  def context(run_pipeline):
-    init = plgpu.layout_cast(
+  def zeros():
+    return plgpu.layout_cast(
         jnp.zeros((wg_m, cfg.block_n), jnp.float32), plgpu.Layout.WGMMA)
-    write(run_pipeline(init), tiles_per_cta - 1)
+
+  def context(run_pipeline):
+    write(run_pipeline(zeros()), tiles_per_cta - 1)
 
   _pipeline(body, context, cfg=cfg, grid=(tiles_per_cta, k_iters),
             a_index=lambda t, k: (tile(t)[0], k),
@@ -364,19 +460,49 @@ def fp8_matmul_mosaic(a: jax.Array, b: jax.Array, scale: jax.Array, *,
     (M, N) array of out_dtype. Shapes not divisible by the tiles are padded
     with zeros here and the result is sliced back.
   """
+  return _fp8_matmul_mosaic(a, b, scale, out_dtype, config)
+
+
+def fp8_matmul_mosaic_groups(
+    a: jax.Array, b: jax.Array, scale: jax.Array, *,
+    dtype=jnp.float8_e4m3fn, config: Config | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """(a @ b.T) * scale written as FP8 1x16 groups by the kernel's epilogue.
+
+  The float32 result y never reaches memory: each 16 columns of a row are
+  quantized as `quantize_per_group(y, 16, dtype)` does (linear, float32
+  scales), with its rounding on the GPU.
+
+  Args:
+    a, b, scale, config: as `fp8_matmul_mosaic` (N a multiple of 16).
+    dtype: the FP8 format of the values, float8_e4m3fn or float8_e5m2.
+
+  Returns:
+    (values (M, N) dtype, scales (M, N // 16) float32).
+  """
+  if jnp.dtype(dtype) not in FP8_DTYPES:
+    raise ValueError(
+        f'dtype must be float8_e4m3fn or float8_e5m2, got {dtype}.')
+  if b.shape[0] % GROUP:
+    raise ValueError(f'b.shape = {b.shape}: N must be a multiple of {GROUP}.')
+  return _fp8_matmul_mosaic(a, b, scale, jnp.dtype(dtype), config)
+
+
+def _fp8_matmul_mosaic(a, b, scale, out_dtype, config):
+  """Runs the kernel; an FP8 out_dtype selects the grouped epilogue."""
   if plgpu is None:
     raise RuntimeError('jax.experimental.pallas.mosaic_gpu is unavailable.')
   if a.dtype != b.dtype and not _MIXED_FP8_WGMMA[0]:
     return _mixed_via_f16(a, b, scale, out_dtype)
   if a.dtype != b.dtype:
     try:
-      return _fp8_matmul_mosaic(a, b, scale, out_dtype, config)
+      return _call_kernel(a, b, scale, out_dtype, config)
     except ValueError as e:  # jax versions whose wgmma rejects mixed FP8.
       if 'dtype' not in str(e):
         raise
       _MIXED_FP8_WGMMA[0] = False
       return _mixed_via_f16(a, b, scale, out_dtype)
-  return _fp8_matmul_mosaic(a, b, scale, out_dtype, config)
+  return _call_kernel(a, b, scale, out_dtype, config)
 
 
 # Whether plgpu.wgmma takes E5M2 x E4M3 operands; set False on first failure.
@@ -387,15 +513,19 @@ F16_CONFIG = Config(block_m=256, block_n=128, block_k=64, promote=False,
 
 def _mixed_via_f16(a, b, scale, out_dtype):
   """Fallback: both FP8 formats are exact in float16, whose wgmma is exact."""
-  return _fp8_matmul_mosaic(
+  return _call_kernel(
       a.astype(jnp.float16), b.astype(jnp.float16), scale, out_dtype,
       F16_CONFIG)
 
 
-def _fp8_matmul_mosaic(a, b, scale, out_dtype, config):
-  """fp8_matmul_mosaic without the mixed-dtype fallback."""
+def _call_kernel(a, b, scale, out_dtype, config):
+  """The kernel call: pads to whole tiles and slices the outputs back."""
   cfg = config or DEFAULT_CONFIG
   cfg.validate(jnp.dtype(a.dtype).itemsize)
+  grouped = jnp.dtype(out_dtype) in FP8_DTYPES
+  if grouped and cfg.block_n % 64:
+    raise ValueError(f'block_n={cfg.block_n}: the grouped epilogue needs a'
+                     ' multiple of 64 (whole 16 B rows of scales).')
   m, k = a.shape
   n, k2 = b.shape
   if k != k2:
@@ -410,28 +540,45 @@ def _fp8_matmul_mosaic(a, b, scale, out_dtype, config):
   m_iters = mp // (cfg.block_m * cfg.cluster_m)
   n_iters = np_ // cfg.block_n
   k_iters = kp // cfg.block_k
-  out_itemsize = jnp.dtype(out_dtype).itemsize
-  stages, epi_n = _plan_smem(cfg, jnp.dtype(a.dtype).itemsize, out_itemsize)
-  out_smem = plgpu.SMEM(
-      (2, cfg.block_m // 2, epi_n), out_dtype,
-      transforms=_transforms(out_dtype, epi_n))
+  wg_m = cfg.block_m // 2
+  in_itemsize = jnp.dtype(a.dtype).itemsize
+  if grouped:
+    stages = _plan_smem(cfg, in_itemsize, 1, out_cols=cfg.block_n,
+                        extra_bytes=cfg.block_m * cfg.block_n // GROUP * 4)[0]
+    out_types = (jax.ShapeDtypeStruct((mp, np_), out_dtype),
+                 jax.ShapeDtypeStruct((mp, np_ // GROUP), jnp.float32))
+    scratch = [
+        plgpu.SMEM((2, wg_m, cfg.block_n), out_dtype,
+                   transforms=_transforms(out_dtype, cfg.block_n)),
+        plgpu.SMEM((2, wg_m, cfg.block_n // GROUP), jnp.float32),
+    ]
+  else:
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    stages, epi_n = _plan_smem(cfg, in_itemsize, out_itemsize)
+    out_types = (jax.ShapeDtypeStruct((mp, np_), out_dtype),)
+    scratch = [plgpu.SMEM((2, wg_m, epi_n), out_dtype,
+                          transforms=_transforms(out_dtype, epi_n))]
   num_ctas = _num_sms() // cfg.cluster_m
   kernel = (functools.partial(_chained_kernel, num_ctas=num_ctas)
             if cfg.chain_tiles else _kernel)
   f = plgpu.kernel(
       functools.partial(kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
                         k_iters=k_iters, stages=stages),
-      out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-      scratch_types=[out_smem],
+      out_type=out_types,
+      scratch_types=scratch,
       grid=(num_ctas,),
       grid_names=('sm',),
       cluster=(cfg.cluster_m,),
       cluster_names=('cluster',),
       num_threads=3,
       thread_name='wg',
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=LOWERING_SEMANTICS[0]),
   )
   s = jnp.reshape(scale.astype(jnp.float32), (1,))
-  out = f(a, b, s)
-  if (mp, np_) != (m, n):
-    out = out[:m, :n]
-  return out
+  outs = f(a, b, s)
+  if grouped:
+    values, scales = outs
+    return values[:m, :n], scales[:m, :n // GROUP]
+  (out,) = outs
+  return out[:m, :n] if (mp, np_) != (m, n) else out

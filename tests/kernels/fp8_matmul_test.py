@@ -22,6 +22,7 @@ from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.fp8_matmul import fp8_matmul_reference
 from pallas_kernels.fp8_matmul import mosaic_gpu
 from pallas_kernels.fp8_matmul import triton_peer
+from pallas_kernels.quantize_per_group import reference as group_reference
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -405,3 +406,120 @@ def test_triton_deterministic_under_jit():
   assert out1.dtype == jnp.bfloat16 and out1.shape == (1024, 768)
   assert bool(jnp.all(jnp.isfinite(out1.astype(jnp.float32))))
   np.testing.assert_array_equal(out1, out2)
+
+
+# ------------------------------------------------- FP8 1x16 grouped output
+
+
+def grouped_operands(m, n, k, seed, a_dtype=E4M3):
+  """Normal operands whose rows span 2^-8..2^4 (group scales vary), with
+  row 1 of a all zero and a NaN in row 3 of a (m >= 4)."""
+  ka, kb, kr = jax.random.split(jax.random.key(seed), 3)
+  rows = 2.0 ** jax.random.randint(kr, (m, 1), -8, 5).astype(jnp.float32)
+  a = jnp.clip(jax.random.normal(ka, (m, k)) * rows, -448, 448).astype(a_dtype)
+  a = a.at[1].set(0).at[3, 5].set(jnp.nan)
+  b = jax.random.normal(kb, (n, k)).astype(E4M3)
+  return a, b
+
+
+def quantized_f32(y, dtype):
+  """`quantize_per_group(y, 16, dtype)`, the grouped output's definition."""
+  values, scales, _ = group_reference.quantize_per_group(
+      y, 16, dtype, False, scale_dtype=jnp.float32)
+  return values, scales
+
+
+def assert_same_groups(got, want):
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                  np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize('dtype', [E4M3, E5M2])
+def test_groups_xla_is_the_quantized_f32_matmul(dtype):
+  m, n, k = 64, 96, 256
+  a, b = grouped_operands(m, n, k, seed=21)
+  sa, sb = jnp.float32(0.37), jnp.float32(1.9)
+  values, scales = api.fp8_matmul_groups(a, b, sa, sb, dtype=dtype)
+  assert values.shape == (m, n) and scales.shape == (m, n // 16)
+  y = fp8_matmul(a, b, sa, sb, out_dtype=jnp.float32, implementation='xla')
+  assert_same_groups((values, scales), quantized_f32(y, dtype))
+  # Row 1 (zeros): scale 1, zero codes. Row 3 (a NaN): NaN scales only there.
+  np.testing.assert_array_equal(scales[1], 1.0)
+  np.testing.assert_array_equal(values[1].astype(jnp.float32), 0.0)
+  assert np.isnan(scales[3]).all()
+  others = np.delete(np.asarray(scales), 3, axis=0)
+  assert np.isfinite(others).all()
+  # Each group's max lands on the format's max; the rest within FP8 error.
+  fmax = float(jnp.finfo(dtype).max)
+  v = np.delete(np.asarray(values, np.float32), 3, axis=0).reshape(
+      m - 1, n // 16, 16)
+  top = np.abs(v).max(-1)
+  np.testing.assert_array_equal(top[top > 0], fmax)
+  deq = v * others[..., None]
+  want = np.delete(f64_ref(a, b, sa, sb), 3, axis=0).reshape(v.shape)
+  err = np.abs(deq - want).max(-1) / np.maximum(np.abs(want).max(-1), 1e-30)
+  assert err.max() <= 2.0 ** -jnp.finfo(dtype).nmant
+
+
+def test_groups_validation():
+  a = jnp.zeros((32, 64), E4M3)
+  b = jnp.zeros((48, 64), E4M3)
+  with pytest.raises(ValueError, match='is not an FP8 format'):
+    api.fp8_matmul_groups(a, b, 1.0, 1.0, dtype='bf16')
+  with pytest.raises(ValueError, match="no 'triton'"):
+    api.fp8_matmul_groups(a, b, 1.0, 1.0, implementation='triton')
+  with pytest.raises(ValueError, match='multiple of 16'):
+    api.fp8_matmul_groups(a, jnp.zeros((40, 64), E4M3), 1.0, 1.0)
+  with pytest.raises(ValueError, match='dtype must be float8'):
+    mosaic_gpu.fp8_matmul_mosaic_groups(a, b, jnp.float32(1),
+                                        dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match='multiple of 64'):
+    mosaic_gpu.fp8_matmul_mosaic_groups(
+        a, b, jnp.float32(1), config=mosaic_gpu.Config(block_n=96))
+
+
+@pytest.mark.parametrize('config', MOSAIC_CONFIGS[:2], ids=MOSAIC_IDS[:2])
+@pytest.mark.parametrize('dtype', [E4M3, E5M2])
+def test_mosaic_groups_lower_for_cuda(config, dtype):
+  a = jax.ShapeDtypeStruct((384, 512), E5M2)
+  b = jax.ShapeDtypeStruct((208, 512), E4M3)
+  s = jax.ShapeDtypeStruct((), jnp.float32)
+  f = jax.jit(lambda a, b, s: mosaic_gpu.fp8_matmul_mosaic_groups(
+      a, b, s, dtype=dtype, config=config))
+  lowered = f.trace(a, b, s).lower(lowering_platforms=('cuda',))
+  assert 'mosaic_gpu' in lowered.as_text()
+  values, scales = lowered.out_info
+  assert values.shape == (384, 208) and values.dtype == dtype
+  assert scales.shape == (384, 13) and scales.dtype == jnp.float32
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('config', MOSAIC_CONFIGS[:2], ids=MOSAIC_IDS[:2])
+@pytest.mark.parametrize('dtype', [E4M3, E5M2])
+@pytest.mark.parametrize('mnk', [(256, 256, 512), (208, 208, 512),
+                                 (2048, 1152, 1024)])
+def test_mosaic_groups_are_its_f32_output_quantized(config, dtype, mnk):
+  """Bit for bit `quantize_per_group(y, 16)` of the kernel's own float32
+  result y (XLA's rounding on the GPU), zero and NaN rows included."""
+  m, n, k = mnk
+  a, b = grouped_operands(m, n, k, seed=m + n, a_dtype=E5M2)
+  s = jnp.float32(0.75)
+  got = jax.jit(lambda a, b: mosaic_gpu.fp8_matmul_mosaic_groups(
+      a, b, s, dtype=dtype, config=config))(a, b)
+  y = mosaic_gpu.fp8_matmul_mosaic(a, b, s, out_dtype=jnp.float32,
+                                   config=config)
+  assert_same_groups(got, jax.jit(quantized_f32, static_argnums=1)(y, dtype))
+  assert np.isnan(got[1][3]).all() and (got[1][1] == 1).all()
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_groups_pallas_dispatch():
+  a, b = grouped_operands(512, 384, 1024, seed=5)
+  got = api.fp8_matmul_groups(a, b, 0.5, 2.0)  # None: the fused kernel here
+  y = fp8_matmul(a, b, 0.5, 2.0, out_dtype=jnp.float32,
+                 implementation='pallas')
+  assert_same_groups(got, jax.jit(quantized_f32, static_argnums=1)(y, E4M3))
