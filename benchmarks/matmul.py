@@ -321,6 +321,12 @@ SWEEP = [
     C(block_k=256, split_k=2, chain_tiles=True, cluster_m=2),
     C(block_k=128, split_k=1, chain_tiles=True, max_stages=6),
     C(block_n=256, block_k=128, promote=False, split_k=1),  # fast acc.
+    # Tile walk and staging around the default (index 1).
+    C(block_k=256, split_k=2, grid_tile_width=4),
+    C(block_k=256, split_k=2, grid_tile_width=16),
+    C(block_k=256, split_k=2, grid_minor_m=False),
+    C(block_k=128, split_k=1, max_stages=6),
+    C(block_k=128, split_k=1, max_stages=6, cluster_m=2),
 ]
 
 
