@@ -175,7 +175,7 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
 
 # implementation=None for the grouped output picks the fused Pallas epilogue
 # on Hopper: measured (benchmarks/RESULTS.md, "FP8 matmul with a grouped
-# output"), it is 1.00-1.12x the fastest GEMM-then-quantize pair (cuBLASLt
+# output"), it is 1.00-1.13x the fastest GEMM-then-quantize pair (cuBLASLt
 # float32 out + the Pallas quantizer), since the float32 result never
 # reaches memory.
 GROUPS_PALLAS_IS_DEFAULT = True

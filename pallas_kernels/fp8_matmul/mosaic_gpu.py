@@ -29,7 +29,9 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
+
+from pallas_kernels import _common
+from pallas_kernels.quantize_per_group import reference as group_reference
 
 try:  # Mosaic GPU is in jax >= 0.6; keep the module importable without it.
   from jax.experimental import pallas as pl
@@ -214,7 +216,7 @@ def _store_groups(acc, scale_ref, values_tile, scales_tile, values_smem,
   scales_tile, through values_smem[wg] and scales_smem[wg].
   """
   dtype = values_tile.dtype
-  fmax = float(jnp.finfo(dtype).max)
+  fmax = _common.fp8_max(dtype)
   y = acc * scale_ref[0]
   group = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, y.shape, 1),
                             plgpu.Layout.WGMMA) // GROUP
@@ -222,14 +224,12 @@ def _store_groups(acc, scale_ref, values_tile, scales_tile, values_smem,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   for j in range(y.shape[1] // GROUP):
     amax = jnp.max(jnp.abs(y[:, j * GROUP:(j + 1) * GROUP]), axis=1)
-    scale = amax * np.float32(1 / np.float32(fmax))
-    scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)
-    scale = scale + (amax - amax)
+    scale = group_reference.store_scale(
+        amax * group_reference.reciprocal(fmax), amax, jnp.float32)
     scales_smem[wg, :, j] = scale
     den = jnp.where(group == j, lax.broadcast_in_dim(scale, y.shape, (0,)), den)
-  codes = _div_full(y, den)
-  codes = jnp.where(codes > fmax, jnp.full_like(codes, fmax), codes)
-  codes = jnp.where(codes < -fmax, jnp.full_like(codes, -fmax), codes)
+  # Saturated with selects, which keep NaN (`_common.saturate`'s math).
+  codes = _common.clip(_div_full(y, den), -fmax, fmax)
   values_smem[wg] = codes.astype(dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(values_smem.at[wg], values_tile)
