@@ -47,10 +47,17 @@ def pallas_available() -> bool:
 PALLAS_IS_DEFAULT = False
 
 
-def resolve_implementation(implementation: str | None) -> str:
-  """Maps None to the measured-fastest path ('xla' today); checks the name."""
+def resolve_implementation(implementation: str | None, *,
+                           pallas_is_default: bool | None = None) -> str:
+  """Maps None to the measured-fastest path; checks the name.
+
+  None gives 'pallas' on Hopper if `pallas_is_default` (default:
+  PALLAS_IS_DEFAULT, False today), else 'xla'.
+  """
   if implementation is None:
-    return 'pallas' if PALLAS_IS_DEFAULT and pallas_available() else 'xla'
+    if pallas_is_default is None:
+      pallas_is_default = PALLAS_IS_DEFAULT
+    return 'pallas' if pallas_is_default and pallas_available() else 'xla'
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(
         f'implementation must be None, \'xla\', \'pallas\' or \'triton\';'
@@ -211,11 +218,8 @@ def fp8_matmul_groups(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
     raise ValueError(
         "fp8_matmul_groups has no 'triton' implementation; use 'xla' or"
         " 'pallas'.")
-  if implementation is None:
-    impl = ('pallas' if GROUPS_PALLAS_IS_DEFAULT and pallas_available()
-            else 'xla')
-  else:
-    impl = resolve_implementation(implementation)
+  impl = resolve_implementation(
+      implementation, pallas_is_default=GROUPS_PALLAS_IS_DEFAULT)
   if impl == 'pallas':
     return mosaic_gpu.fp8_matmul_mosaic_groups(a, b, scale, dtype=dt)
   y = _xla_matmul(a, b, scale, jnp.float32)

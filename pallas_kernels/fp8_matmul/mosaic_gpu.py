@@ -236,10 +236,12 @@ def _store_groups(acc, scale_ref, values_tile, scales_tile, values_smem,
   plgpu.copy_smem_to_gmem(scales_smem.at[wg], scales_tile)
 
 
-def _tile_writer(cfg: Config, s_gmem, outs, smems):
+def _tile_writer(cfg: Config, s_gmem, refs):
   """write(acc, mi, ni, wg): stores warpgroup wg's rows of output tile
-  (mi, ni), as `out_dtype` (outs = (out,)) or as FP8 1x16 groups
-  (outs = (values, scales))."""
+  (mi, ni). refs are the kernel's outputs, then their SMEM buffers:
+  (out, out_smem) for `out_dtype`, or (values, scales, values_smem,
+  scales_smem) for FP8 1x16 groups."""
+  outs, smems = refs[:len(refs) // 2], refs[len(refs) // 2:]
   wg_m = cfg.block_m // 2
   rows = lambda mi, wg: pl.ds(mi * cfg.block_m + wg * wg_m, wg_m)
   cols = lambda ni: pl.ds(ni * cfg.block_n, cfg.block_n)
@@ -308,8 +310,7 @@ def _kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config, m_iters: int,
   """Kernel body: a (M, K), b (N, K), s (1,) f32 in GMEM, then the outputs
   and their SMEM buffers (see `_tile_writer`)."""
   wg_m = cfg.block_m // 2
-  write_tile = _tile_writer(cfg, s_gmem, refs[:len(refs) // 2],
-                            refs[len(refs) // 2:])
+  write_tile = _tile_writer(cfg, s_gmem, refs)
   # Without promotion, keep one wgmma in flight and release its SMEM a step
   # later; with promotion each step waits for its own wgmma.
   delay = 0 if cfg.promote or k_iters < 2 else 1
@@ -394,8 +395,7 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config,
   cta = lax.axis_index('cluster')
   wg = lax.axis_index('wg')
   wg_sl = pl.ds(wg * wg_m, wg_m)
-  write_tile = _tile_writer(cfg, s_gmem, refs[:len(refs) // 2],
-                            refs[len(refs) // 2:])
+  write_tile = _tile_writer(cfg, s_gmem, refs)
 
   def tile(t):
     """(m block, n block, whether this CTA writes it) of its t-th tile."""
