@@ -1,0 +1,86 @@
+"""SM clock and board power while the FP8 GEMMs run: clocks or efficiency?
+
+  PYTHONPATH=. python3 benchmarks/matmul_power.py
+
+For each shape, runs the Pallas kernel and cuBLASLt precise back to back for
+`SECONDS` each (alternating, twice) while `nvidia-smi` samples the SM clock
+and the power draw every 50 ms, and prints TFLOP/s, the mean clock and power
+over each run's last 2/3, and TFLOP per clock cycle. If the Pallas kernel
+runs at a lower clock under the power cap, it spends more energy per FLOP;
+at equal clocks its gap is work per cycle.
+"""
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top
+import matmul  # noqa: E402  pylint: disable=g-import-not-at-top
+
+SECONDS = 3.0
+SHAPES = [matmul.SHAPES[0], matmul.SHAPES[7], matmul.SHAPES[4]]
+
+
+def run_for(f, args, seconds):
+  """(start, end, calls) of back-to-back calls for about `seconds`."""
+  jax.block_until_ready(f(*args))
+  t0 = time.time()
+  calls = 0
+  while time.time() - t0 < seconds:
+    for _ in range(5):
+      out = f(*args)
+    calls += 5
+    jax.block_until_ready(out)
+  return t0, time.time(), calls
+
+
+def main():
+  print(f'# {jax.devices()[0].device_kind}, jax {jax.__version__},'
+        f' {time.strftime("%Y-%m-%d %H:%M:%S")}', flush=True)
+  log = open(os.path.join(os.environ.get('OUT', '.'), 'smi.csv'), 'w')
+  smi = subprocess.Popen(
+      ['nvidia-smi', '--query-gpu=timestamp,clocks.sm,power.draw',
+       '--format=csv,noheader,nounits', '-lms', '50'], stdout=subprocess.PIPE,
+      text=True)
+  samples = []  # (unix time, MHz, W)
+  runs = []
+  matmul.global_warmup(2.0)
+  for name, m, n, k, a_dtype in SHAPES:
+    a, b = matmul.operands(m, n, k, a_dtype)
+    s = jnp.float32(0.75)
+    impls = (('pallas', jax.jit(matmul.pallas)),
+             ('precise', jax.jit(matmul.xla_precise)))
+    for _ in range(2):
+      for label, f in impls:
+        t0, t1, calls = run_for(f, (a, b, s), SECONDS)
+        runs.append((name, label, t0, t1, 2.0 * m * n * k * calls / (t1 - t0)))
+    del a, b
+  time.sleep(0.2)
+  smi.terminate()
+  for line in smi.stdout:
+    log.write(line)
+    stamp, mhz, watts = [x.strip() for x in line.split(',')]
+    t = time.mktime(time.strptime(stamp.split('.')[0], '%Y/%m/%d %H:%M:%S'))
+    t += float('0.' + stamp.split('.')[1]) if '.' in stamp else 0.0
+    samples.append((t, float(mhz), float(watts)))
+  print('\n| GEMM | impl | TFLOP/s | SM MHz | W | TFLOP per 1e9 cycles |')
+  print('|---|---|---|---|---|---|')
+  for name, label, t0, t1, flops in runs:
+    lo = t0 + (t1 - t0) / 3
+    window = [(mhz, w) for t, mhz, w in samples if lo <= t <= t1]
+    if not window:
+      print(f'| {name} | {label} | {flops / 1e12:.0f} | n/a | n/a | |')
+      continue
+    mhz = statistics.mean(x for x, _ in window)
+    watts = statistics.mean(w for _, w in window)
+    print(f'| {name} | {label} | {flops / 1e12:.0f} | {mhz:.0f} |'
+          f' {watts:.0f} | {flops / 1e12 / (mhz / 1e3):.0f} |')
+
+
+if __name__ == '__main__':
+  main()
