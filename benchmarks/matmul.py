@@ -328,6 +328,15 @@ SWEEP = [
     C(block_k=256, split_k=2, grid_minor_m=False),
     C(block_k=128, split_k=1, max_stages=6),
     C(block_k=128, split_k=1, max_stages=6, cluster_m=2),
+    # cuBLASLt's own tiles here (`cublas_kernels.py`: nvjet 144x128 and
+    # 128x160, K step 128, 6 and 5 stages), edges left to TMA (13-15).
+    C(block_n=144, block_k=128, split_k=1, max_stages=6, pad_mn=False),
+    C(block_n=160, block_k=128, split_k=1, max_stages=5, pad_mn=False),
+    C(block_n=144, block_k=128, split_k=1, max_stages=6, pad_mn=False,
+      cluster_m=2),
+    # 144 wide with the default's K step 256 in two wgmmas (16, 17).
+    C(block_n=144, block_k=256, split_k=2, pad_mn=False),
+    C(block_n=144, block_k=256, split_k=2, pad_mn=False, cluster_m=2),
 ]
 
 

@@ -73,6 +73,9 @@ class Config:
     overlap_epilogue: with chain_tiles, issue a tile's first wgmmas before
       writing the previous tile, so the tensor cores work during the write
       (costs registers: both accumulators are live).
+    pad_mn: zero-pad M and N to whole tiles in the wrapper (a copy of the
+      operands and of the result). False leaves partial tiles to TMA, which
+      fills loads past the edge with zeros and clips stores.
   """
 
   block_m: int = 128
@@ -86,6 +89,7 @@ class Config:
   grid_tile_width: int = 8
   chain_tiles: bool = False
   overlap_epilogue: bool = False
+  pad_mn: bool = True
 
   def validate(self, itemsize: int):
     if self.block_m % 128:
@@ -107,10 +111,10 @@ class Config:
       raise ValueError('overlap_epilogue needs chain_tiles=True.')
     wg_regs = (self.block_m // 2) * self.block_n // 128
     n_acc = 1 + self.split_k if self.promote else 1
-    if wg_regs * n_acc > 200:
+    if wg_regs * n_acc > 216:
       raise ValueError(
           f'{self} needs {wg_regs * n_acc} accumulator registers per thread;'
-          ' at most 200 fit.')
+          ' at most 216 fit.')
 
 
 DEFAULT_CONFIG = Config()
@@ -147,11 +151,15 @@ def _transforms(dtype, minor_elems: int):
 
 
 def _epilogue_n(cfg: Config, out_itemsize: int, limit: int) -> int:
-  """Columns stored per epilogue chunk: at most `limit` bytes of SMEM."""
-  epi_n = cfg.block_n
-  while cfg.block_m * epi_n * out_itemsize > limit and epi_n % 16 == 0:
-    epi_n //= 2
-  return epi_n
+  """Columns stored per epilogue chunk: the widest divisor of block_n whose
+  chunk fits `limit` bytes of SMEM and whose rows span a multiple of 32 B
+  (the narrowest swizzle)."""
+  fits = [d for d in range(8, cfg.block_n + 1, 8)
+          if cfg.block_n % d == 0 and (d * out_itemsize) % 32 == 0
+          and cfg.block_m * d * out_itemsize <= limit]
+  if not fits:
+    raise ValueError(f'block_n={cfg.block_n} has no epilogue chunk that fits.')
+  return max(fits)
 
 
 def _plan_smem(cfg: Config, in_itemsize: int, out_itemsize: int, *,
@@ -530,15 +538,16 @@ def _call_kernel(a, b, scale, out_dtype, config):
   n, k2 = b.shape
   if k != k2:
     raise ValueError(f'a {a.shape} and b {b.shape} differ in K.')
-  mp = _round_up(m, cfg.block_m * cfg.cluster_m)
-  np_ = _round_up(n, cfg.block_n)
+  pad_mn = cfg.pad_mn or grouped
+  mp = _round_up(m, cfg.block_m * cfg.cluster_m) if pad_mn else m
+  np_ = _round_up(n, cfg.block_n) if pad_mn else n
   kp = _round_up(k, cfg.block_k)
   if (mp, kp) != (m, k):
     a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
   if (np_, kp) != (n, k):
     b = jnp.pad(b, ((0, np_ - n), (0, kp - k)))
-  m_iters = mp // (cfg.block_m * cfg.cluster_m)
-  n_iters = np_ // cfg.block_n
+  m_iters = pl.cdiv(mp, cfg.block_m * cfg.cluster_m)
+  n_iters = pl.cdiv(np_, cfg.block_n)
   k_iters = kp // cfg.block_k
   wg_m = cfg.block_m // 2
   in_itemsize = jnp.dtype(a.dtype).itemsize

@@ -234,9 +234,13 @@ MOSAIC_CONFIGS = [
     mosaic_gpu.Config(chain_tiles=True, overlap_epilogue=True),
     mosaic_gpu.Config(chain_tiles=True, cluster_m=2),
     mosaic_gpu.Config(block_k=128, split_k=1, chain_tiles=True),
+    mosaic_gpu.Config(block_n=144, block_k=128, split_k=1, max_stages=6,
+                      pad_mn=False),
+    mosaic_gpu.Config(block_n=160, block_k=128, split_k=1, max_stages=5,
+                      pad_mn=False),
 ]
 MOSAIC_IDS = ['default', 'chain', 'chain_overlap', 'chain_cluster2',
-              'chain_k128']
+              'chain_k128', 'n144_tma_edges', 'n160_tma_edges']
 
 
 @pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
