@@ -75,7 +75,8 @@ class Config:
       (costs registers: both accumulators are live).
     pad_mn: zero-pad M and N to whole tiles in the wrapper (a copy of the
       operands and of the result). False leaves partial tiles to TMA, which
-      fills loads past the edge with zeros and clips stores.
+      fills loads past the edge with zeros and clips stores (the grouped
+      output always pads).
   """
 
   block_m: int = 128

@@ -255,6 +255,19 @@ def test_mosaic_kernel_lowers_for_cuda(config):
   assert 'mosaic_gpu' in text
 
 
+def test_mosaic_epilogue_chunks_and_register_bound():
+  """Epilogue chunks: the widest divisor of block_n within the SMEM limit
+  whose rows span a multiple of 32 B; accumulators: at most 216 registers."""
+  chunk = lambda bn, itemsize: mosaic_gpu._epilogue_n(  # pylint: disable=protected-access
+      mosaic_gpu.Config(block_n=bn), itemsize, 32 * 1024)
+  assert [chunk(bn, 2) for bn in (128, 144, 160, 192, 256)] == [
+      128, 48, 80, 96, 128]
+  assert [chunk(bn, 4) for bn in (128, 144)] == [64, 48]
+  mosaic_gpu.Config(block_n=144).validate(1)  # 72 x 3 = 216 registers
+  with pytest.raises(ValueError, match='240 accumulator registers'):
+    mosaic_gpu.Config(block_n=160).validate(1)
+
+
 def test_mosaic_chain_config_errors():
   with pytest.raises(ValueError, match='chain_tiles needs promote'):
     mosaic_gpu.Config(block_n=256, block_k=128, promote=False, split_k=1,
