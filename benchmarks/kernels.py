@@ -237,6 +237,51 @@ def bench_tensor(results, quick):
                           bytes=nbytes, s=time_call(f, (x, amax))))
 
 
+LR, WD = 1e-3, 0.1
+# ~16.3 B/param: p, g in; p out (f32), m, v (1 B + 8/128 meta) in and out.
+STEP_BYTES = N_PARAMS * (4 + 4 + 4 + 4 * (1 + 8 / 128))
+
+
+def time_optax_adamw(p, g):
+  """Seconds per optax.adamw step (float32 moments) on params p, donated."""
+  import optax  # pylint: disable=g-import-not-at-top
+  tx = optax.adamw(LR, weight_decay=WD)
+
+  def optax_step(state, g):
+    p, s = state
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(optax_step, donate_argnums=0)
+  return time_call(step, None, carry=((p, tx.init(p)), g))
+
+
+def fused_state(p, expansion=True):
+  """(p, m, v, count) for the fused step: zero E4M3 1x128 moments. Built
+  eagerly under XLA, so outside any `MATH` or `fast_math` context."""
+  zeros = jnp.zeros(p.shape, jnp.float32)
+  m, v = (adam_reference.Moment(*group_reference.quantize_per_group(
+      zeros, 128, 'e4m3', expansion)) for _ in range(2))
+  return p, m, v, jnp.int32(0)
+
+
+def time_fused_step(state, g, *, expansion=True, block_sizes=None):
+  """Seconds per fused Pallas COAT step from `fused_state`, donated."""
+  bs = block_sizes or adam_pallas.BlockSizes()
+
+  def fused_step(state, g):
+    p, m, v, count = state
+    count = count + 1
+    hp = adam_reference.hyperparams(count, LR, 0.9, 0.999, 1e-8, WD)
+    p, m, v = adam_pallas.coat_adam_step(
+        p, g, m, v, hp, group_size=128, expansion=expansion,
+        apply_weight_decay=True, block_sizes=bs)
+    return p, m, v, count
+
+  step = jax.jit(fused_step, donate_argnums=0)
+  return time_call(step, None, carry=(state, g))
+
+
 def bench_adam(results, quick):
   import optax  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, '.')
@@ -245,27 +290,12 @@ def bench_adam(results, quick):
   key = jax.random.key(3)
   fresh = lambda: jax.random.normal(key, shape, jnp.float32)
   g = jax.random.normal(jax.random.key(4), shape, jnp.float32) * 1e-2
-  lr, wd = 1e-3, 0.1
-  # ~16.3 B/param: p, g in; p out (f32), m, v (1 B + 8/128 meta) in and out.
-  nbytes = N_PARAMS * (4 + 4 + 4 + 4 * (1 + 8 / 128))
-
-  # optax.adamw with float32 moments.
-  tx = optax.adamw(lr, weight_decay=wd)
-
-  def optax_step(state, g):
-    p, s = state
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  p = fresh()
-  step = jax.jit(optax_step, donate_argnums=0)
-  results.append(dict(name='adamw step (per 2^28 params)', impl='optax f32',
-                      bytes=N_PARAMS * 32,
-                      s=time_call(step, None, carry=((p, tx.init(p)), g))))
-  del p
+  name = 'adamw step (per 2^28 params)'
+  results.append(dict(name=name, impl='optax f32', bytes=N_PARAMS * 32,
+                      s=time_optax_adamw(fresh(), g)))
 
   # XLA COAT step: coat_adamw + apply_updates under one jit.
-  ctx = coat_jax.coat_adamw(lr, weight_decay=wd)
+  ctx = coat_jax.coat_adamw(LR, weight_decay=WD)
 
   def coat_step(state, g):
     p, s = state
@@ -277,17 +307,13 @@ def bench_adam(results, quick):
     step = jax.jit(coat_step, donate_argnums=0)
     with codec():
       results.append(dict(
-          name='adamw step (per 2^28 params)', impl='xla coat' + suffix,
-          bytes=nbytes,
+          name=name, impl='xla coat' + suffix, bytes=STEP_BYTES,
           s=time_call(step, None, carry=((p, ctx.init(p)), g))))
     del p
 
-  # Fused Pallas step.
-  zeros = jnp.zeros(shape, jnp.float32)
-  mom = lambda: adam_reference.Moment(*group_reference.quantize_per_group(
-      zeros, 128, 'e4m3', True))
-  # The default (2 warps on 1024 elements: 16 per thread, the per-group work
-  # amortized, 96 registers) and the former default, 4 warps.
+  # Fused Pallas step. The default (2 warps on 1024 elements: 16 per thread,
+  # the per-group work amortized, 96 registers) and the former default, 4
+  # warps.
   configs = [adam_pallas.BlockSizes(), adam_pallas.BlockSizes(num_warps=4)]
   if not quick:
     configs += [adam_pallas.BlockSizes(num_warps=w, target=t)
@@ -295,24 +321,12 @@ def bench_adam(results, quick):
                              (2048, 4), (2048, 8))]
   runs = [(bs, *MATH[0]) for bs in configs] + [(configs[0], *MATH[1])]
   for bs, suffix, codec in runs:
-    def fused_step(state, g, bs=bs):
-      p, m, v, count = state
-      count = count + 1
-      hp = adam_reference.hyperparams(count, lr, 0.9, 0.999, 1e-8, wd)
-      p, m, v = adam_pallas.coat_adam_step(
-          p, g, m, v, hp, group_size=128, expansion=True,
-          apply_weight_decay=True, block_sizes=bs)
-      return p, m, v, count
-
-    p = fresh()
-    step = jax.jit(fused_step, donate_argnums=0)
+    state = fused_state(fresh())
     with codec():
       results.append(dict(
-          name='adamw step (per 2^28 params)', impl='pallas fused' + suffix,
-          config=str(bs), bytes=nbytes,
-          s=time_call(step, None,
-                      carry=((p, mom(), mom(), jnp.int32(0)), g))))
-    del p
+          name=name, impl='pallas fused' + suffix, config=str(bs),
+          bytes=STEP_BYTES, s=time_fused_step(state, g, block_sizes=bs)))
+    del state
 
 
 def table(results):

@@ -42,7 +42,6 @@ def run_for(f, args, seconds):
 def main():
   print(f'# {jax.devices()[0].device_kind}, jax {jax.__version__},'
         f' {time.strftime("%Y-%m-%d %H:%M:%S")}', flush=True)
-  log = open(os.path.join(os.environ.get('OUT', '.'), 'smi.csv'), 'w')
   smi = subprocess.Popen(
       ['nvidia-smi', '--query-gpu=timestamp,clocks.sm,power.draw',
        '--format=csv,noheader,nounits', '-lms', '50'], stdout=subprocess.PIPE,
@@ -62,8 +61,10 @@ def main():
     del a, b
   time.sleep(0.2)
   smi.terminate()
-  for line in smi.stdout:
-    log.write(line)
+  lines = list(smi.stdout)
+  with open(os.path.join(os.environ.get('OUT', '.'), 'smi.csv'), 'w') as f:
+    f.writelines(lines)
+  for line in lines:
     stamp, mhz, watts = [x.strip() for x in line.split(',')]
     t = time.mktime(time.strptime(stamp.split('.')[0], '%Y/%m/%d %H:%M:%S'))
     t += float('0.' + stamp.split('.')[1]) if '.' in stamp else 0.0

@@ -23,8 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _common
-from pallas_kernels.coat_adam_step import pallas_triton as adam_pallas
-from pallas_kernels.coat_adam_step import reference as adam_reference
 from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
 from pallas_kernels.quantize_per_group import reference as group_reference
 
@@ -131,49 +129,20 @@ def main():
                           bytes=q_bytes, s=kernels.time_call(f, (v, s, e))))
   del v, s, e
 
-  import optax  # pylint: disable=g-import-not-at-top
   shape = (rows, cols)
   fresh = lambda: jax.random.normal(jax.random.key(3), shape, jnp.float32)
   g = jax.random.normal(jax.random.key(4), shape, jnp.float32) * 1e-2
-  lr, wd = 1e-3, 0.1
-  tx = optax.adamw(lr, weight_decay=wd)
-
-  def optax_step(state, g):
-    p, st = state
-    u, st = tx.update(g, st, p)
-    return optax.apply_updates(p, u), st
-
-  p = fresh()
-  results.append(dict(
-      name='adamw step', impl='optax f32', bytes=32 * n,
-      s=kernels.time_call(jax.jit(optax_step, donate_argnums=0), None,
-                          carry=((p, tx.init(p)), g))))
-  del p
-
-  zeros = jnp.zeros(shape, jnp.float32)
-  step_bytes = n * (16 + 2 * 8 / 128)
+  results.append(dict(name='adamw step', impl='optax f32', bytes=32 * n,
+                      s=kernels.time_optax_adamw(fresh(), g)))
   runs = [(label, codec, True) for label, codec in VARIANTS]
   runs.append(('linear moments (no expansion)', contextlib.nullcontext,
                False))
   for label, codec, expansion in runs:
-    mom = lambda e=expansion: adam_reference.Moment(
-        *group_reference.quantize_per_group(zeros, 128, 'e4m3', e))
-
-    def fused_step(state, g, expansion=expansion):
-      p, m, v, count = state
-      count = count + 1
-      hp = adam_reference.hyperparams(count, lr, 0.9, 0.999, 1e-8, wd)
-      p, m, v = adam_pallas.coat_adam_step(
-          p, g, m, v, hp, group_size=128, expansion=expansion,
-          apply_weight_decay=True)
-      return p, m, v, count
-
-    state = (fresh(), mom(), mom(), jnp.int32(0))
+    state = kernels.fused_state(fresh(), expansion)
     with codec():
       results.append(dict(
-          name='fused coat step', impl=label, bytes=step_bytes,
-          s=kernels.time_call(jax.jit(fused_step, donate_argnums=0), None,
-                              carry=(state, g))))
+          name='fused coat step', impl=label, bytes=kernels.STEP_BYTES,
+          s=kernels.time_fused_step(state, g, expansion=expansion)))
     del state
 
   copy = kernels.rows_of(results, 'copy x*2 f32')[0]

@@ -271,6 +271,13 @@ def _tile_writer(cfg: Config, s_gmem, refs):
   return write
 
 
+def _zero_acc(cfg: Config):
+  """A warpgroup's float32 (block_m // 2, block_n) zeros in WGMMA layout."""
+  return plgpu.layout_cast(
+      jnp.zeros((cfg.block_m // 2, cfg.block_n), jnp.float32),
+      plgpu.Layout.WGMMA)
+
+
 def _issue_wgmmas(accs, a_smem, b_smem, rows):
   """One wgmma per accumulator, each over its 1/len(accs) share of K, with
   the A rows `rows` (this warpgroup's)."""
@@ -363,10 +370,7 @@ def _kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config, m_iters: int,
               cfg.split_k)
 
         def context(run_pipeline):
-          init = plgpu.layout_cast(
-              jnp.zeros((wg_m, cfg.block_n), jnp.float32),
-              plgpu.Layout.WGMMA)
-          epilogue(run_pipeline(init))
+          epilogue(run_pipeline(_zero_acc(cfg)))
       else:
         def body(_, a_smem, b_smem, acc_ref):
           plgpu.wgmma(acc_ref, a_smem.at[wg_sl], b_smem.T)
@@ -433,17 +437,13 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config,
         write_previous()
       # A cond, not a select: warpgroup semantics has no scalar-predicate
       # select, and a product with 0 would carry a NaN into the next tile.
-      start = lax.cond(k == 0, zeros, lambda: carry)
+      start = lax.cond(k == 0, lambda: _zero_acc(cfg), lambda: carry)
       return _promote(start, accs)
     return pl.run_scoped(
         step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * cfg.split_k)
 
-  def zeros():
-    return plgpu.layout_cast(
-        jnp.zeros((wg_m, cfg.block_n), jnp.float32), plgpu.Layout.WGMMA)
-
   def context(run_pipeline):
-    write(run_pipeline(zeros()), tiles_per_cta - 1)
+    write(run_pipeline(_zero_acc(cfg)), tiles_per_cta - 1)
 
   _pipeline(body, context, cfg=cfg, grid=(tiles_per_cta, k_iters),
             a_index=lambda t, k: (tile(t)[0], k),
