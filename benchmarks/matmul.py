@@ -6,6 +6,8 @@
   python3 benchmarks/matmul.py --all           # sweep, then main with the best
   python3 benchmarks/matmul.py --groups        # FP8 1x16 grouped output
   python3 benchmarks/matmul.py --paired        # Pallas / cuBLASLt, paired
+  python3 benchmarks/matmul.py --paired --shapes 0 --rounds 61   # 8192^3 only
+  python3 benchmarks/matmul.py --k-lines --configs 1,19   # time against K
   python3 benchmarks/matmul.py --sweep --semantics warpgroup   # Mosaic's other
   python3 benchmarks/matmul.py --skip bf16 --triton-configs 0   # shorter
 
@@ -21,7 +23,9 @@ jax_triton the column reads n/a and the reason is printed once.
 """
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -219,7 +223,7 @@ def run_main(args, log):
   rows = []
   impls = [('pallas', pallas), ('triton', None), ('xla_fast', xla_fast),
            ('xla_precise', xla_precise), ('xla_api', xla_api), ('bf16', bf16)]
-  log['pallas_config'] = str(BEST[0] or mosaic_gpu.DEFAULT_CONFIG)
+  log['pallas_config'] = str(BEST[0] or 'select_config per shape')
   print('pallas config:', log['pallas_config'], flush=True)
   log['triton_unavailable'] = triton_why_not()
   shapes = SHAPES if not args.quick else SHAPES[:1]
@@ -313,6 +317,7 @@ def print_main(rows):
 
 
 C = mosaic_gpu.Config
+_three = functools.partial(dataclasses.replace, mosaic_gpu.THREE_WG_CONFIG)
 SWEEP = [
     C(block_k=128, split_k=1),
     C(block_k=256, split_k=2),
@@ -337,6 +342,15 @@ SWEEP = [
     # 144 wide with the default's K step 256 in two wgmmas (16, 17).
     C(block_n=144, block_k=256, split_k=2, pad_mn=False),
     C(block_n=144, block_k=256, split_k=2, pad_mn=False, cluster_m=2),
+    # Three compute warpgroups of 64 rows (18-20; 19 is THREE_WG_CONFIG),
+    # then with clusters and other tile walks (21-24).
+    _three(max_stages=5),
+    _three(),
+    _three(pad_mn=True),
+    _three(cluster_m=2),
+    _three(grid_tile_width=4),
+    _three(grid_tile_width=16),
+    _three(grid_minor_m=False),
 ]
 
 
@@ -422,11 +436,14 @@ def run_paired(args, log):
   """
   if args.paired_config:
     BEST[0] = SWEEP[int(args.paired_config)]
-  print('pallas config:', BEST[0] or mosaic_gpu.DEFAULT_CONFIG, flush=True)
+  print('pallas config:', BEST[0] or 'select_config per shape', flush=True)
   global_warmup(2.0)
-  rounds = 5 if args.quick else 15
+  rounds = args.rounds or (5 if args.quick else 15)
   rows = []
-  for name, m, n, k, a_dtype in SHAPES + [WAVE_SHAPE]:
+  shapes = SHAPES + [WAVE_SHAPE]
+  if args.shapes:
+    shapes = [shapes[int(i)] for i in args.shapes.split(',')]
+  for name, m, n, k, a_dtype in shapes:
     a, b = operands(m, n, k, a_dtype)
     s = jnp.float32(0.75)
     flops = 2.0 * m * n * k
@@ -445,8 +462,10 @@ def run_paired(args, log):
       tp += [p1, p2]
       tx += [x1, x2]
       ratios.append((x1 + x2) / (p1 + p2))
+    cfg = BEST[0] or mosaic_gpu.select_config(m, n)
     rows.append(dict(
         name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
+        config=f'{cfg.block_m}x{cfg.block_n}, {cfg.compute_wgs} wgs',
         pallas=flops / statistics.median(tp) / 1e12,
         precise=flops / statistics.median(tx) / 1e12,
         ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios),
@@ -455,15 +474,56 @@ def run_paired(args, log):
     del a, b
   log['paired'] = rows
   llama = [r['ratio'] for r in rows if r['name'] in {s[0] for s in SHAPES[1:]}]
-  print('\n| GEMM | M | N | K | A | Pallas TFLOP/s | cuBLASLt precise |'
-        ' Pallas / precise (median) | min..max over rounds |')
-  print('|---|---|---|---|---|---|---|---|---|')
+  print('\n| GEMM | M | N | K | A | Pallas tile | Pallas TFLOP/s |'
+        ' cuBLASLt precise | Pallas / precise (median) |'
+        ' min..max over rounds |')
+  print('|---|---|---|---|---|---|---|---|---|---|')
   for r in rows:
     print(f'| {r["name"]} | {r["m"]} | {r["n"]} | {r["k"]} | {r["a"]} |'
-          f' {r["pallas"]:.0f} | {r["precise"]:.0f} | {r["ratio"]:.3f} |'
+          f' {r["config"]} | {r["pallas"]:.0f} | {r["precise"]:.0f} |'
+          f' {r["ratio"]:.3f} |'
           f' {r["lo"]:.3f}..{r["hi"]:.3f} |')
-  print(f'geomean over the {len(llama)} Llama shapes:'
-        f' {float(np.exp(np.mean(np.log(llama)))):.3f}')
+  if llama:
+    print(f'geomean over the {len(llama)} Llama shapes:'
+          f' {float(np.exp(np.mean(np.log(llama)))):.3f}')
+
+
+def run_k_lines(args, log):
+  """Time against K at M = N = 8192: t(K) = fixed + K / rate.
+
+  The slope gives the mainloop's rate (TFLOP/s with the fixed cost taken
+  out), the intercept what does not grow with K: prologue, epilogue and
+  pipeline drain per tile, launch. Pallas configs: `--configs` indices.
+  """
+  global_warmup(2.0)
+  m = n = 8192
+  ks = (2048, 4096, 8192, 16384)
+  cfgs = [int(i) for i in args.configs.split(',')] if args.configs else [1]
+  fns = {'xla_precise': jax.jit(xla_precise), 'xla_fast': jax.jit(xla_fast)}
+  for i in cfgs:
+    fns[f'pallas {i}'] = jax.jit(
+        lambda a, b, s, cfg=SWEEP[i]: pallas(a, b, s, cfg))
+  times = {name: [] for name in fns}
+  for k in ks:
+    a, b = operands(m, n, k, E4M3)
+    s = jnp.float32(0.75)
+    for name, f in fns.items():
+      times[name].append(time_fn(f, (a, b, s))[0])
+      print(name, k, times[name][-1], flush=True)
+    del a, b
+  rows = []
+  for name, t in times.items():
+    slope, fixed = np.polyfit(np.array(ks, float), np.array(t), 1)
+    rows.append(dict(
+        name=name, tflops=[2 * m * n * k / x / 1e12 for k, x in zip(ks, t)],
+        mainloop_tflops=2 * m * n / slope / 1e12, fixed_us=fixed * 1e6))
+  log['k_lines'] = dict(m=m, n=n, ks=ks, rows=rows)
+  print(f'\n| M = N = {m}, K: | ' + ' | '.join(map(str, ks))
+        + ' | mainloop (slope) TFLOP/s | fixed (intercept) us |')
+  print('|---|' + '---|' * (len(ks) + 2))
+  for r in rows:
+    print(f'| {r["name"]} | ' + ' | '.join(f'{x:.0f}' for x in r['tflops'])
+          + f' | {r["mainloop_tflops"]:.0f} | {r["fixed_us"]:.1f} |')
 
 
 def run_accuracy(args, log):
@@ -595,9 +655,16 @@ def main():
   p.add_argument('--accuracy', action='store_true')
   p.add_argument('--groups', action='store_true')
   p.add_argument('--paired', action='store_true')
+  p.add_argument('--k-lines', action='store_true',
+                 help='time against K at M = N = 8192 (--configs: Pallas)')
   p.add_argument('--paired-config', default='',
                  help='with --paired: the SWEEP index to time (default: the'
                  ' default config)')
+  p.add_argument('--rounds', type=int, default=0,
+                 help='with --paired: ABBA rounds per shape (default 15)')
+  p.add_argument('--shapes', default='',
+                 help='with --paired: indices into SHAPES (the whole-waves'
+                 ' shape last) to time (default: all)')
   p.add_argument('--semantics', choices=('lane', 'warpgroup'), default=None,
                  help='Mosaic GPU lowering semantics of the Pallas kernel')
   p.add_argument('--quick', action='store_true')
@@ -619,14 +686,16 @@ def main():
   print(log, flush=True)
   mode = ('all' if args.all else 'sweep' if args.sweep else
           'accuracy' if args.accuracy else 'groups' if args.groups else
-          'paired' if args.paired else 'main')
+          'paired' if args.paired else 'k_lines' if args.k_lines else
+          'main')
   try:
     if mode == 'all':
       run_sweep(args, log)
       run_main(args, log)
     else:
       {'sweep': run_sweep, 'accuracy': run_accuracy, 'groups': run_groups,
-       'paired': run_paired, 'main': run_main}[mode](args, log)
+       'paired': run_paired, 'k_lines': run_k_lines,
+       'main': run_main}[mode](args, log)
   finally:
     tag = f'_{args.semantics}' if args.semantics else ''
     with open(os.path.join(args.out, f'matmul_{mode}{tag}.json'), 'w') as fh:

@@ -40,10 +40,12 @@ def pallas_available() -> bool:
 
 
 # implementation=None picks XLA (cuBLASLt FP8, precise accumulation) even on
-# Hopper: measured in benchmarks/RESULTS.md (H100), the Pallas kernel runs at
-# 0.87-0.99x of cuBLASLt precise per GEMM, a Llama-2-7B layer in coat mode
-# took 26.2 ms with it against 24.8 ms with XLA, and the 1b train step 243.4
-# against 243.7 ms. Opt in with 'pallas'.
+# Hopper: measured in benchmarks/RESULTS.md (H100, fifth run), the Pallas
+# kernel runs at 0.97x of bare cuBLASLt precise per GEMM (geometric mean,
+# Llama-2-7B shapes) and faster than this XLA path with its extra scale
+# pass, but a Llama-2-7B layer in coat mode took 26.3 ms with it against
+# 25.8 ms with XLA, and the 1b train step 243.6 against 244.3 ms: no gain
+# beyond the noise. Opt in with 'pallas'.
 PALLAS_IS_DEFAULT = False
 
 

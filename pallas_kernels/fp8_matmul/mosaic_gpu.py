@@ -4,8 +4,9 @@ out = (a @ b.T) * scale with a (M, K) and b (N, K), both K-major FP8.
 
 The kernel is persistent (one CTA per SM, or per cluster) and warp
 specialized: one memory warpgroup streams (block_m, block_k) tiles of A and
-(block_n, block_k) tiles of B into shared memory with TMA, two compute
-warpgroups each own block_m // 2 rows of the output tile and issue wgmma.
+(block_n, block_k) tiles of B into shared memory with TMA, two or three
+compute warpgroups each own 64 or more rows of the output tile and issue
+wgmma. `select_config` picks the tiling per shape.
 B stays (N, K) in shared memory with an (8, 128) tiling and a 128-byte
 swizzle and is fed to wgmma as ``b_smem.T``, which FP8 wgmma accepts since
 K is the fastest dimension of both operands.
@@ -44,7 +45,7 @@ except ImportError:  # pragma: no cover
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _SMEM_BUDGET = 226 * 1024  # bytes of the 227 KiB a CTA may use
-_MEMORY_REGISTERS = 40
+_MEMORY_REGISTERS = {2: 40, 3: 24}  # per number of compute warpgroups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,8 @@ class Config:
   """Tiling of the kernel.
 
   Attributes:
-    block_m: rows of the output tile of one CTA (two compute warpgroups,
-      block_m // 2 rows each; a multiple of 128).
+    block_m: rows of the output tile of one CTA, block_m // compute_wgs per
+      compute warpgroup (a multiple of 64 each).
     block_n: columns of the output tile (multiple of 8, <= 256).
     block_k: K per pipeline step (multiple of 128 bytes of input).
     max_stages: most shared-memory pipeline stages (fewer if they do not fit).
@@ -77,6 +78,8 @@ class Config:
       operands and of the result). False leaves partial tiles to TMA, which
       fills loads past the edge with zeros and clips stores (the grouped
       output always pads).
+    compute_wgs: compute warpgroups, 2 or 3 (with 3, 24 registers for the
+      memory warpgroup leave 160 per compute thread: 128 for accumulators).
   """
 
   block_m: int = 128
@@ -91,10 +94,20 @@ class Config:
   chain_tiles: bool = False
   overlap_epilogue: bool = False
   pad_mn: bool = True
+  compute_wgs: int = 2
+
+  @property
+  def wg_m(self) -> int:
+    """Rows of the output tile per compute warpgroup."""
+    return self.block_m // self.compute_wgs
 
   def validate(self, itemsize: int):
-    if self.block_m % 128:
-      raise ValueError(f'block_m={self.block_m} must be a multiple of 128.')
+    if self.compute_wgs not in (2, 3):
+      raise ValueError(f'compute_wgs={self.compute_wgs} must be 2 or 3.')
+    if self.block_m % (64 * self.compute_wgs):
+      raise ValueError(f'block_m={self.block_m} must be a multiple of'
+                       f' {64 * self.compute_wgs} ({self.compute_wgs} compute'
+                       ' warpgroups, 64 rows each).')
     if self.block_n % 8 or not 8 <= self.block_n <= 256:
       raise ValueError(f'block_n={self.block_n} must be 8..256, multiple of 8.')
     if (self.block_k * itemsize) % 128:
@@ -110,15 +123,24 @@ class Config:
       raise ValueError('chain_tiles needs promote=True.')
     if self.overlap_epilogue and not self.chain_tiles:
       raise ValueError('overlap_epilogue needs chain_tiles=True.')
-    wg_regs = (self.block_m // 2) * self.block_n // 128
+    wg_regs = self.wg_m * self.block_n // 128
     n_acc = 1 + self.split_k if self.promote else 1
-    if wg_regs * n_acc > 216:
+    limit = {2: 216, 3: 128}[self.compute_wgs]
+    if wg_regs * n_acc > limit:
       raise ValueError(
           f'{self} needs {wg_regs * n_acc} accumulator registers per thread;'
-          ' at most 216 fit.')
+          f' at most {limit} fit.')
 
 
 DEFAULT_CONFIG = Config()
+# 192 x 128 tiles over three compute warpgroups: faster per tile than
+# DEFAULT_CONFIG (paired medians: 3% on the H200, 6% on the H100; NOTES.md),
+# but 192-row tiles can fill the last wave of tiles worse (M = 4096: 22 x 32
+# tiles are 5.3 waves of 132).
+THREE_WG_CONFIG = Config(block_m=192, block_k=128, split_k=1, max_stages=4,
+                         compute_wgs=3, pad_mn=False)
+# (config, its speed per tile relative to DEFAULT_CONFIG) for select_config.
+CANDIDATES = ((DEFAULT_CONFIG, 1.0), (THREE_WG_CONFIG, 1.03))
 # Pinned: jax 0.11.2 on the GPU lowered with Warpgroup semantics by default,
 # jax 0.10 (the CPU tests) with Lane. Lane lowers the grouped epilogue (its
 # Warpgroup layout inference did not finish in 10 minutes on jax 0.10) and
@@ -135,6 +157,20 @@ def _num_sms() -> int:
     return jax.devices()[0].core_count
   except Exception:  # pylint: disable=broad-except
     return 132
+
+
+def select_config(m: int, n: int, num_ctas: int | None = None) -> Config:
+  """The candidate config of highest speed x wave efficiency for an (m, n)
+  output, where wave efficiency is m * n over the tile area of all CTAs in
+  the whole waves that the tiles take (the last wave may be partly idle)."""
+  num_ctas = num_ctas or _num_sms()
+
+  def score(candidate):
+    cfg, speed = candidate
+    tiles = pl.cdiv(m, cfg.block_m) * pl.cdiv(n, cfg.block_n)
+    waves = pl.cdiv(tiles, num_ctas)
+    return speed * m * n / (waves * num_ctas * cfg.block_m * cfg.block_n)
+  return max(CANDIDATES, key=score)[0]
 
 
 def _transforms(dtype, minor_elems: int):
@@ -251,7 +287,7 @@ def _tile_writer(cfg: Config, s_gmem, refs):
   (out, out_smem) for `out_dtype`, or (values, scales, values_smem,
   scales_smem) for FP8 1x16 groups."""
   outs, smems = refs[:len(refs) // 2], refs[len(refs) // 2:]
-  wg_m = cfg.block_m // 2
+  wg_m = cfg.wg_m
   rows = lambda mi, wg: pl.ds(mi * cfg.block_m + wg * wg_m, wg_m)
   cols = lambda ni: pl.ds(ni * cfg.block_n, cfg.block_n)
   if len(outs) == 1:
@@ -272,9 +308,9 @@ def _tile_writer(cfg: Config, s_gmem, refs):
 
 
 def _zero_acc(cfg: Config):
-  """A warpgroup's float32 (block_m // 2, block_n) zeros in WGMMA layout."""
+  """A warpgroup's float32 (wg_m, block_n) zeros in WGMMA layout."""
   return plgpu.layout_cast(
-      jnp.zeros((cfg.block_m // 2, cfg.block_n), jnp.float32),
+      jnp.zeros((cfg.wg_m, cfg.block_n), jnp.float32),
       plgpu.Layout.WGMMA)
 
 
@@ -298,11 +334,11 @@ def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
               a_dtype, b_dtype, stages: int, delay: int = 0):
   """The warp-specialized pipeline both kernels run: TMA streams
   (block_m, block_k) tiles of A at `a_index(*step)` and (block_n, block_k)
-  tiles of B at `b_index(*step)` to two compute warpgroups."""
+  tiles of B at `b_index(*step)` to the compute warpgroups."""
   return plgpu.emit_pipeline_warp_specialized(
       body,
       grid=grid,
-      memory_registers=_MEMORY_REGISTERS,
+      memory_registers=_MEMORY_REGISTERS[cfg.compute_wgs],
       in_specs=[
           plgpu.BlockSpec(
               (cfg.block_m, cfg.block_k), a_index,
@@ -315,7 +351,7 @@ def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
               collective_axes=('cluster',) if cfg.cluster_m == 2 else ()),
       ],
       wg_axis='wg',
-      num_compute_wgs=2,
+      num_compute_wgs=cfg.compute_wgs,
       max_concurrent_steps=stages,
       compute_context=context,
   )
@@ -325,7 +361,7 @@ def _kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config, m_iters: int,
             n_iters: int, k_iters: int, stages: int):
   """Kernel body: a (M, K), b (N, K), s (1,) f32 in GMEM, then the outputs
   and their SMEM buffers (see `_tile_writer`)."""
-  wg_m = cfg.block_m // 2
+  wg_m = cfg.wg_m
   write_tile = _tile_writer(cfg, s_gmem, refs)
   # Without promotion, keep one wgmma in flight and release its SMEM a step
   # later; with promotion each step waits for its own wgmma.
@@ -401,7 +437,7 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config,
   The carry is the FP32 accumulator; step (t, 0) writes tile t - 1 and
   restarts it, and the context writes the last tile.
   """
-  wg_m = cfg.block_m // 2
+  wg_m = cfg.wg_m
   num_tiles = m_iters * n_iters
   tiles_per_cta = pl.cdiv(num_tiles, num_ctas)
   sm = lax.axis_index('sm')
@@ -463,11 +499,11 @@ def fp8_matmul_mosaic(a: jax.Array, b: jax.Array, scale: jax.Array, *,
     b: (N, K) float8_e4m3fn or float8_e5m2 (K-major, like a).
     scale: () float32, the product of the two dequantization scales.
     out_dtype: bfloat16 or float32.
-    config: tiling; DEFAULT_CONFIG when None.
+    config: tiling; `select_config(M, N)` when None.
 
   Returns:
     (M, N) array of out_dtype. Shapes not divisible by the tiles are padded
-    with zeros here and the result is sliced back.
+    with zeros here and the result is sliced back (see `Config.pad_mn`).
   """
   return _fp8_matmul_mosaic(a, b, scale, out_dtype, config)
 
@@ -483,7 +519,8 @@ def fp8_matmul_mosaic_groups(
   scales), with its rounding on the GPU.
 
   Args:
-    a, b, scale, config: as `fp8_matmul_mosaic` (N a multiple of 16).
+    a, b, scale: as `fp8_matmul_mosaic` (N a multiple of 16).
+    config: tiling; DEFAULT_CONFIG when None.
     dtype: the FP8 format of the values, float8_e4m3fn or float8_e5m2.
 
   Returns:
@@ -529,9 +566,11 @@ def _mixed_via_f16(a, b, scale, out_dtype):
 
 def _call_kernel(a, b, scale, out_dtype, config):
   """The kernel call: pads to whole tiles and slices the outputs back."""
-  cfg = config or DEFAULT_CONFIG
-  cfg.validate(jnp.dtype(a.dtype).itemsize)
   grouped = jnp.dtype(out_dtype) in FP8_DTYPES
+  # The grouped epilogue was measured with DEFAULT_CONFIG only.
+  cfg = config or (DEFAULT_CONFIG if grouped else
+                   select_config(a.shape[0], b.shape[0]))
+  cfg.validate(jnp.dtype(a.dtype).itemsize)
   if grouped and cfg.block_n % 64:
     raise ValueError(f'block_n={cfg.block_n}: the grouped epilogue needs a'
                      ' multiple of 64 (whole 16 B rows of scales).')
@@ -539,9 +578,26 @@ def _call_kernel(a, b, scale, out_dtype, config):
   n, k2 = b.shape
   if k != k2:
     raise ValueError(f'a {a.shape} and b {b.shape} differ in K.')
-  pad_mn = cfg.pad_mn or grouped
-  mp = _round_up(m, cfg.block_m * cfg.cluster_m) if pad_mn else m
-  np_ = _round_up(n, cfg.block_n) if pad_mn else n
+  in_itemsize = jnp.dtype(a.dtype).itemsize
+  wg_m = cfg.wg_m
+  if grouped:
+    stages = _plan_smem(cfg, in_itemsize, 1, out_cols=cfg.block_n,
+                        extra_bytes=cfg.block_m * cfg.block_n // GROUP * 4)[0]
+    out_smem = plgpu.SMEM((cfg.compute_wgs, wg_m, cfg.block_n), out_dtype,
+                          transforms=_transforms(out_dtype, cfg.block_n))
+    scratch = [out_smem, plgpu.SMEM(
+        (cfg.compute_wgs, wg_m, cfg.block_n // GROUP), jnp.float32)]
+  else:
+    stages, epi_n = _plan_smem(cfg, in_itemsize,
+                               jnp.dtype(out_dtype).itemsize)
+    out_smem = plgpu.SMEM((cfg.compute_wgs, wg_m, epi_n), out_dtype,
+                          transforms=_transforms(out_dtype, epi_n))
+    scratch = [out_smem]
+  if cfg.pad_mn or grouped:
+    mp = _round_up(m, cfg.block_m * cfg.cluster_m)
+    np_ = _round_up(n, cfg.block_n)
+  else:  # TMA stores need N to be whole columns of the output's SMEM tiling.
+    mp, np_ = m, _round_up(n, out_smem.transforms[0].tiling[1])
   kp = _round_up(k, cfg.block_k)
   if (mp, kp) != (m, k):
     a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
@@ -550,24 +606,9 @@ def _call_kernel(a, b, scale, out_dtype, config):
   m_iters = pl.cdiv(mp, cfg.block_m * cfg.cluster_m)
   n_iters = pl.cdiv(np_, cfg.block_n)
   k_iters = kp // cfg.block_k
-  wg_m = cfg.block_m // 2
-  in_itemsize = jnp.dtype(a.dtype).itemsize
+  out_types = (jax.ShapeDtypeStruct((mp, np_), out_dtype),)
   if grouped:
-    stages = _plan_smem(cfg, in_itemsize, 1, out_cols=cfg.block_n,
-                        extra_bytes=cfg.block_m * cfg.block_n // GROUP * 4)[0]
-    out_types = (jax.ShapeDtypeStruct((mp, np_), out_dtype),
-                 jax.ShapeDtypeStruct((mp, np_ // GROUP), jnp.float32))
-    scratch = [
-        plgpu.SMEM((2, wg_m, cfg.block_n), out_dtype,
-                   transforms=_transforms(out_dtype, cfg.block_n)),
-        plgpu.SMEM((2, wg_m, cfg.block_n // GROUP), jnp.float32),
-    ]
-  else:
-    out_itemsize = jnp.dtype(out_dtype).itemsize
-    stages, epi_n = _plan_smem(cfg, in_itemsize, out_itemsize)
-    out_types = (jax.ShapeDtypeStruct((mp, np_), out_dtype),)
-    scratch = [plgpu.SMEM((2, wg_m, epi_n), out_dtype,
-                          transforms=_transforms(out_dtype, epi_n))]
+    out_types += (jax.ShapeDtypeStruct((mp, np_ // GROUP), jnp.float32),)
   num_ctas = _num_sms() // cfg.cluster_m
   kernel = (functools.partial(_chained_kernel, num_ctas=num_ctas)
             if cfg.chain_tiles else _kernel)
@@ -580,7 +621,7 @@ def _call_kernel(a, b, scale, out_dtype, config):
       grid_names=('sm',),
       cluster=(cfg.cluster_m,),
       cluster_names=('cluster',),
-      num_threads=3,
+      num_threads=cfg.compute_wgs + 1,
       thread_name='wg',
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=LOWERING_SEMANTICS[0]),

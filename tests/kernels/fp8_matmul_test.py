@@ -238,21 +238,41 @@ MOSAIC_CONFIGS = [
                       pad_mn=False),
     mosaic_gpu.Config(block_n=160, block_k=128, split_k=1, max_stages=5,
                       pad_mn=False),
+    mosaic_gpu.THREE_WG_CONFIG,
+    mosaic_gpu.Config(block_m=192, block_k=128, split_k=1, compute_wgs=3),
 ]
 MOSAIC_IDS = ['default', 'chain', 'chain_overlap', 'chain_cluster2',
-              'chain_k128', 'n144_tma_edges', 'n160_tma_edges']
+              'chain_k128', 'n144_tma_edges', 'n160_tma_edges',
+              'three_wg_tma_edges', 'three_wg_padded']
 
 
 @pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
 def test_mosaic_kernel_lowers_for_cuda(config):
-  """Pallas lowers each variant to Mosaic GPU here, without a GPU."""
-  a = jax.ShapeDtypeStruct((384, 512), E5M2)
+  """Pallas lowers each variant to Mosaic GPU here, without a GPU (E4M3 x
+  E4M3: jax 0.10's wgmma rejects mixed FP8, whose fallback is one f16
+  config)."""
+  a = jax.ShapeDtypeStruct((384, 512), E4M3)
   b = jax.ShapeDtypeStruct((256, 512), E4M3)
   s = jax.ShapeDtypeStruct((), jnp.float32)
   f = jax.jit(lambda a, b, s: mosaic_gpu.fp8_matmul_mosaic(
       a, b, s, config=config))
   text = f.trace(a, b, s).lower(lowering_platforms=('cuda',)).as_text()
   assert 'mosaic_gpu' in text
+
+
+@pytest.mark.parametrize('out_dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('n', [48, 80, 400])
+def test_mosaic_tma_edges_lower_for_any_n(out_dtype, n):
+  """pad_mn=False: an N that is no multiple of the output's SMEM tiling
+  (32 float32 or 64 bfloat16 columns) is padded to one, not rejected by
+  the TMA descriptor."""
+  a = jax.ShapeDtypeStruct((656, 512), E4M3)
+  b = jax.ShapeDtypeStruct((n, 512), E4M3)
+  s = jax.ShapeDtypeStruct((), jnp.float32)
+  f = jax.jit(lambda a, b, s: mosaic_gpu.fp8_matmul_mosaic(
+      a, b, s, out_dtype=out_dtype, config=mosaic_gpu.THREE_WG_CONFIG))
+  out = f.trace(a, b, s).lower(lowering_platforms=('cuda',)).out_info
+  assert out.shape == (656, n) and out.dtype == out_dtype
 
 
 def test_mosaic_epilogue_chunks_and_register_bound():
@@ -274,6 +294,27 @@ def test_mosaic_chain_config_errors():
                       chain_tiles=True).validate(1)
   with pytest.raises(ValueError, match='overlap_epilogue needs chain_tiles'):
     mosaic_gpu.Config(overlap_epilogue=True).validate(1)
+  with pytest.raises(ValueError, match='compute_wgs=4 must be 2 or 3'):
+    mosaic_gpu.Config(compute_wgs=4).validate(1)
+  with pytest.raises(ValueError, match='multiple of 192'):
+    mosaic_gpu.Config(compute_wgs=3).validate(1)
+  with pytest.raises(ValueError, match='192 accumulator registers'):
+    mosaic_gpu.Config(block_m=192, compute_wgs=3).validate(1)  # split_k 2
+
+
+def test_select_config_by_wave_efficiency():
+  """192-row tiles wherever their ~3% speed is not lost to a worse last
+  wave on 132 SMs: everywhere among the Llama-2-7B shapes but the wgrads
+  with M = 4096 (22 x 32 tiles = 5.3 waves); 128-row tiles for small
+  problems (one partial wave either way, less of it idle)."""
+  select = lambda m, n: mosaic_gpu.select_config(m, n, num_ctas=132)
+  three, default = mosaic_gpu.THREE_WG_CONFIG, mosaic_gpu.DEFAULT_CONFIG
+  t = 16384
+  for m, n in [(8192, 8192), (t, 12288), (t, 4096), (12288, 4096),
+               (t, 22016), (22016, 4096), (t, 11008)]:
+    assert select(m, n) == three, (m, n)
+  for m, n in [(4096, 4096), (4096, 11008), (512, 512), (1024, 768)]:
+    assert select(m, n) == default, (m, n)
 
 
 # ---------------------------------------------------------------- GPU tests
@@ -359,11 +400,11 @@ def test_kernel_accuracy_vs_cublaslt_precise(implementation, a_dtype, b_dtype,
 @needs_hopper
 @pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
 @pytest.mark.parametrize('mnk', [(256, 256, 512), (2048, 1152, 1024),
-                                 (4224, 2176, 768)])
+                                 (4224, 2176, 768), (656, 400, 272)])
 def test_mosaic_configs_exact_and_nan_stays_in_its_tile(config, mnk):
   """Exact on small integers with fewer, a few more and many more tiles than
-  CTAs (chained pipelines then carry the accumulator across tiles); a NaN
-  in one row of A poisons that row only."""
+  CTAs (chained pipelines then carry the accumulator across tiles) and with
+  M, N, K that divide no tile; a NaN in one row of A poisons that row only."""
   m, n, k = mnk
   ka, kb = jax.random.split(jax.random.key(m + k))
   a = small_ints(ka, (m, k), E5M2)
@@ -377,6 +418,28 @@ def test_mosaic_configs_exact_and_nan_stays_in_its_tile(config, mnk):
   assert np.isnan(out[130]).all()
   rows = np.arange(m) != 130
   np.testing.assert_array_equal(out[rows], (f64_ref(a, b) * 0.5)[rows])
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('config', [c for c, _ in mosaic_gpu.CANDIDATES],
+                         ids=['default', 'three_wg'])
+@pytest.mark.parametrize('a_dtype', [E4M3, E5M2])
+@pytest.mark.parametrize('dist', ['uniform', 'normal'])
+def test_candidate_configs_as_accurate_as_cublaslt_precise(config, a_dtype,
+                                                          dist):
+  """Each config `select_config` can pick, at K = 16384 with partial tiles
+  (M = 640, N = 528), against a float64 reference."""
+  ka, kb = jax.random.split(jax.random.key(3))
+  draw = jax.random.uniform if dist == 'uniform' else jax.random.normal
+  a = draw(ka, (640, 16384)).astype(a_dtype)
+  b = draw(kb, (528, 16384)).astype(E4M3)
+  ref = f64_ref(a, b)
+  err = rel_err(mosaic_gpu.fp8_matmul_mosaic(
+      a, b, jnp.float32(1), out_dtype=jnp.float32, config=config), ref)
+  xla_err = rel_err(fp8_matmul(a, b, 1.0, 1.0, out_dtype=jnp.float32,
+                               implementation='xla'), ref)
+  assert np.isfinite(err) and err <= xla_err + 1e-6, (err, xla_err)
 
 
 @pytest.mark.gpu
