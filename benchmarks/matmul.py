@@ -149,6 +149,15 @@ def operands(m, n, k, a_dtype, seed=0):
   return jax.block_until_ready((a, b))
 
 
+def _batch(f, args, inner):
+  """Seconds per call over `inner` back-to-back calls."""
+  t = time.perf_counter()
+  for _ in range(inner):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t) / inner
+
+
 def time_fn(f, args, *, warmup_s=0.3, reps=21, inner=None):
   """Median seconds per call of jitted f(*args)."""
   jax.block_until_ready(f(*args))
@@ -160,13 +169,7 @@ def time_fn(f, args, *, warmup_s=0.3, reps=21, inner=None):
   jax.block_until_ready(out)
   per = (time.perf_counter() - t0) / max(n, 1)
   inner = inner or max(1, min(50, int(0.02 / per)))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    for _ in range(inner):
-      out = f(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t) / inner)
+  times = [_batch(f, args, inner) for _ in range(reps)]
   return statistics.median(times), min(times), max(times)
 
 
@@ -417,15 +420,6 @@ def run_sweep(args, log):
 WAVE_SHAPE = ('whole waves 7936x8448x8192', 7936, 8448, 8192, E4M3)
 
 
-def _batch(f, args, inner):
-  """Seconds per call over `inner` back-to-back calls."""
-  t = time.perf_counter()
-  for _ in range(inner):
-    out = f(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t) / inner
-
-
 def run_paired(args, log):
   """Pallas / cuBLASLt precise per shape as the median of paired ratios.
 
@@ -658,8 +652,8 @@ def main():
   p.add_argument('--k-lines', action='store_true',
                  help='time against K at M = N = 8192 (--configs: Pallas)')
   p.add_argument('--paired-config', default='',
-                 help='with --paired: the SWEEP index to time (default: the'
-                 ' default config)')
+                 help='with --paired: the SWEEP index to time (default:'
+                 ' select_config per shape)')
   p.add_argument('--rounds', type=int, default=0,
                  help='with --paired: ABBA rounds per shape (default 15)')
   p.add_argument('--shapes', default='',

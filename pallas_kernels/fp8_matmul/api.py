@@ -226,5 +226,5 @@ def fp8_matmul_groups(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
     return mosaic_gpu.fp8_matmul_mosaic_groups(a, b, scale, dtype=dt)
   y = _xla_matmul(a, b, scale, jnp.float32)
   values, scales, _ = group_reference.quantize_per_group(
-      y, 16, dt, False, scale_dtype=jnp.float32)
+      y, mosaic_gpu.GROUP, dt, False, scale_dtype=jnp.float32)
   return values, scales
