@@ -7,6 +7,8 @@
   python3 benchmarks/matmul.py --groups        # FP8 1x16 grouped output
   python3 benchmarks/matmul.py --paired        # Pallas / cuBLASLt, paired
   python3 benchmarks/matmul.py --paired --shapes 0 --rounds 61   # 8192^3 only
+  python3 benchmarks/matmul.py --paired --paired-config 1,19 \
+      --shapes 0,8448x8064x8192     # two SWEEP configs, any M x N x K
   python3 benchmarks/matmul.py --k-lines --configs 1,19   # time against K
   python3 benchmarks/matmul.py --sweep --semantics warpgroup   # Mosaic's other
   python3 benchmarks/matmul.py --skip bf16 --triton-configs 0   # shorter
@@ -420,66 +422,86 @@ def run_sweep(args, log):
 WAVE_SHAPE = ('whole waves 7936x8448x8192', 7936, 8448, 8192, E4M3)
 
 
+def parse_shape(spec):
+  """An index into SHAPES + [WAVE_SHAPE], or MxNxK (E4M3 x E4M3)."""
+  if 'x' in spec:
+    m, n, k = map(int, spec.split('x'))
+    return (spec, m, n, k, E4M3)
+  return (SHAPES + [WAVE_SHAPE])[int(spec)]
+
+
+def _tile(cfg):
+  return f'{cfg.block_m}x{cfg.block_n}, {cfg.compute_wgs} wgs'
+
+
 def run_paired(args, log):
   """Pallas / cuBLASLt precise per shape as the median of paired ratios.
 
   Clocks drift between and within calls (cuBLASLt precise at 8192^3 measured
   1194 and 1276 TFLOP/s in two calls of one session), so each of `rounds`
-  rounds times both in ABBA order (batches of ~20 ms) and the ratio is taken
-  per round.
+  rounds times every Pallas config and cuBLASLt in mirrored order (batches
+  of ~20 ms: P1 .. Pn X X Pn .. P1) and the ratio is taken per round.
   """
+  configs = [None]  # select_config per shape
   if args.paired_config:
-    BEST[0] = SWEEP[int(args.paired_config)]
-  print('pallas config:', BEST[0] or 'select_config per shape', flush=True)
+    configs = [SWEEP[int(i)] for i in args.paired_config.split(',')]
+  print('pallas configs:', configs, flush=True)
   global_warmup(2.0)
   rounds = args.rounds or (5 if args.quick else 15)
   rows = []
-  shapes = SHAPES + [WAVE_SHAPE]
-  if args.shapes:
-    shapes = [shapes[int(i)] for i in args.shapes.split(',')]
-  for name, m, n, k, a_dtype in shapes:
+  specs = (args.shapes.split(',') if args.shapes else
+           [str(i) for i in range(len(SHAPES) + 1)])
+  for name, m, n, k, a_dtype in map(parse_shape, specs):
     a, b = operands(m, n, k, a_dtype)
     s = jnp.float32(0.75)
     flops = 2.0 * m * n * k
-    fp, fx = jax.jit(pallas), jax.jit(xla_precise)
-    err = check_close(fp(a, b, s), a, b, s)  # BF16 rounding: ~3e-3
-    inner = {}
-    for key, f in (('p', fp), ('x', fx)):
+    fns = [jax.jit(functools.partial(pallas, config=c)) for c in configs]
+    fns.append(jax.jit(xla_precise))
+    errs = [check_close(f(a, b, s), a, b, s) for f in fns[:-1]]  # ~3e-3
+    inner = []
+    for f in fns:
       time_fn(f, (a, b, s), reps=1)  # compile and warm
-      inner[key] = max(1, int(0.02 / _batch(f, (a, b, s), 3)))
-    tp, tx, ratios = [], [], []
+      inner.append(max(1, int(0.02 / _batch(f, (a, b, s), 3))))
+    times = [[] for _ in fns]
+    ratios = [[] for _ in configs]
+    order = list(range(len(fns)))
     for _ in range(rounds):
-      p1 = _batch(fp, (a, b, s), inner['p'])
-      x1 = _batch(fx, (a, b, s), inner['x'])
-      x2 = _batch(fx, (a, b, s), inner['x'])
-      p2 = _batch(fp, (a, b, s), inner['p'])
-      tp += [p1, p2]
-      tx += [x1, x2]
-      ratios.append((x1 + x2) / (p1 + p2))
-    cfg = BEST[0] or mosaic_gpu.select_config(m, n)
-    rows.append(dict(
-        name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
-        config=f'{cfg.block_m}x{cfg.block_n}, {cfg.compute_wgs} wgs',
-        pallas=flops / statistics.median(tp) / 1e12,
-        precise=flops / statistics.median(tx) / 1e12,
-        ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios),
-        err=err))
-    print(json.dumps(rows[-1]), flush=True)
+      t = [0.0] * len(fns)
+      for i in order + order[::-1]:
+        t[i] += _batch(fns[i], (a, b, s), inner[i])
+      for i, ti in enumerate(t):
+        times[i].append(ti / 2)
+      for j in range(len(configs)):
+        ratios[j].append(t[-1] / t[j])
+    for j, cfg in enumerate(configs):
+      rows.append(dict(
+          name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
+          config=_tile(cfg or mosaic_gpu.select_config(m, n)),
+          sweep=args.paired_config.split(',')[j] if cfg else 'select',
+          pallas=flops / statistics.median(times[j]) / 1e12,
+          precise=flops / statistics.median(times[-1]) / 1e12,
+          ratio=statistics.median(ratios[j]), lo=min(ratios[j]),
+          hi=max(ratios[j]), err=errs[j]))
+      print(json.dumps(rows[-1]), flush=True)
     del a, b
   log['paired'] = rows
-  llama = [r['ratio'] for r in rows if r['name'] in {s[0] for s in SHAPES[1:]}]
-  print('\n| GEMM | M | N | K | A | Pallas tile | Pallas TFLOP/s |'
+  print('\n| GEMM | M | N | K | A | Pallas tile (SWEEP) | Pallas TFLOP/s |'
         ' cuBLASLt precise | Pallas / precise (median) |'
         ' min..max over rounds |')
   print('|---|---|---|---|---|---|---|---|---|---|')
   for r in rows:
     print(f'| {r["name"]} | {r["m"]} | {r["n"]} | {r["k"]} | {r["a"]} |'
-          f' {r["config"]} | {r["pallas"]:.0f} | {r["precise"]:.0f} |'
-          f' {r["ratio"]:.3f} |'
+          f' {r["config"]} ({r["sweep"]}) | {r["pallas"]:.0f} |'
+          f' {r["precise"]:.0f} | {r["ratio"]:.3f} |'
           f' {r["lo"]:.3f}..{r["hi"]:.3f} |')
-  if llama:
-    print(f'geomean over the {len(llama)} Llama shapes:'
-          f' {float(np.exp(np.mean(np.log(llama)))):.3f}')
+  llama_names = {s[0] for s in SHAPES[1:]}
+  for j in range(len(configs)):
+    llama = [r['ratio'] for r in rows[j::len(configs)]
+             if r['name'] in llama_names]
+    if llama:
+      geomean = float(np.exp(np.mean(np.log(llama))))
+      print(f'geomean over the {len(llama)} Llama shapes'
+            f' ({rows[j]["sweep"]}): {geomean:.3f}')
 
 
 def run_k_lines(args, log):
@@ -652,13 +674,14 @@ def main():
   p.add_argument('--k-lines', action='store_true',
                  help='time against K at M = N = 8192 (--configs: Pallas)')
   p.add_argument('--paired-config', default='',
-                 help='with --paired: the SWEEP index to time (default:'
-                 ' select_config per shape)')
+                 help='with --paired: SWEEP indices to time, e.g. 19,25'
+                 ' (default: select_config per shape)')
   p.add_argument('--rounds', type=int, default=0,
                  help='with --paired: ABBA rounds per shape (default 15)')
   p.add_argument('--shapes', default='',
                  help='with --paired: indices into SHAPES (the whole-waves'
-                 ' shape last) to time (default: all)')
+                 ' shape last) or MxNxK, e.g. 0,8448x8064x8192 (default:'
+                 ' all)')
   p.add_argument('--semantics', choices=('lane', 'warpgroup'), default=None,
                  help='Mosaic GPU lowering semantics of the Pallas kernel')
   p.add_argument('--quick', action='store_true')

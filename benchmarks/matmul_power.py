@@ -1,15 +1,20 @@
 """SM clock and board power while the FP8 GEMMs run: clocks or efficiency?
 
   PYTHONPATH=. python3 benchmarks/matmul_power.py
+  PYTHONPATH=. python3 benchmarks/matmul_power.py --shapes all --repeats 3
 
 For each shape, runs the Pallas kernel and cuBLASLt precise back to back for
 `SECONDS` each (alternating, twice) while `nvidia-smi` samples the SM clock
 and the power draw every 50 ms, and prints TFLOP/s, the mean clock and power
 over each run's last 2/3, and TFLOP per clock cycle. If the Pallas kernel
 runs at a lower clock under the power cap, it spends more energy per FLOP;
-at equal clocks its gap is work per cycle.
+at equal clocks its gap is work per cycle. Last, per shape, the ratio of
+the two impls' mean TFLOP/s: the sustained counterpart of `matmul.py
+--paired`, whose ~20 ms batches see the clocks of bursts.
 """
 
+import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -22,8 +27,7 @@ import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top
 import matmul  # noqa: E402  pylint: disable=g-import-not-at-top
 
-SECONDS = 3.0
-SHAPES = [matmul.SHAPES[0], matmul.SHAPES[7], matmul.SHAPES[4]]
+DEFAULT_SHAPES = '0,7,4'  # 8192^3, gate/up fwd, o fwd
 
 
 def run_for(f, args, seconds):
@@ -40,30 +44,44 @@ def run_for(f, args, seconds):
 
 
 def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--shapes', default=DEFAULT_SHAPES,
+                 help="as matmul.py --shapes, or 'all' (default: 0,7,4)")
+  p.add_argument('--repeats', type=int, default=2,
+                 help='alternations of the two impls per shape')
+  p.add_argument('--seconds', type=float, default=3.0,
+                 help='seconds per run')
+  args = p.parse_args()
+  specs = (args.shapes.split(',') if args.shapes != 'all' else
+           [str(i) for i in range(len(matmul.SHAPES))])
   print(f'# {jax.devices()[0].device_kind}, jax {jax.__version__},'
         f' {time.strftime("%Y-%m-%d %H:%M:%S")}', flush=True)
+  # To a file: a pipe read only at the end fills up and stalls nvidia-smi.
+  smi_path = os.path.join(os.environ.get('OUT', '.'), 'smi.csv')
+  smi_file = open(smi_path, 'w')  # pylint: disable=consider-using-with
   smi = subprocess.Popen(
       ['nvidia-smi', '--query-gpu=timestamp,clocks.sm,power.draw',
-       '--format=csv,noheader,nounits', '-lms', '50'], stdout=subprocess.PIPE,
+       '--format=csv,noheader,nounits', '-lms', '50'], stdout=smi_file,
       text=True)
   samples = []  # (unix time, MHz, W)
   runs = []
   matmul.global_warmup(2.0)
-  for name, m, n, k, a_dtype in SHAPES:
+  for name, m, n, k, a_dtype in map(matmul.parse_shape, specs):
     a, b = matmul.operands(m, n, k, a_dtype)
     s = jnp.float32(0.75)
     impls = (('pallas', jax.jit(matmul.pallas)),
              ('precise', jax.jit(matmul.xla_precise)))
-    for _ in range(2):
+    for _ in range(args.repeats):
       for label, f in impls:
-        t0, t1, calls = run_for(f, (a, b, s), SECONDS)
+        t0, t1, calls = run_for(f, (a, b, s), args.seconds)
         runs.append((name, label, t0, t1, 2.0 * m * n * k * calls / (t1 - t0)))
     del a, b
   time.sleep(0.2)
   smi.terminate()
-  lines = list(smi.stdout)
-  with open(os.path.join(os.environ.get('OUT', '.'), 'smi.csv'), 'w') as f:
-    f.writelines(lines)
+  smi.wait()
+  smi_file.close()
+  with open(smi_path) as f:
+    lines = f.readlines()
   for line in lines:
     stamp, mhz, watts = [x.strip() for x in line.split(',')]
     t = time.mktime(time.strptime(stamp.split('.')[0], '%Y/%m/%d %H:%M:%S'))
@@ -81,6 +99,18 @@ def main():
     watts = statistics.mean(w for _, w in window)
     print(f'| {name} | {label} | {flops / 1e12:.0f} | {mhz:.0f} |'
           f' {watts:.0f} | {flops / 1e12 / (mhz / 1e3):.0f} |')
+  print('\n| GEMM | Pallas / precise (mean TFLOP/s over the runs) |')
+  print('|---|---|')
+  ratios = {}
+  for name in dict.fromkeys(r[0] for r in runs):
+    mean = lambda label: statistics.mean(  # pylint: disable=cell-var-from-loop
+        r[4] for r in runs if r[0] == name and r[1] == label)
+    ratios[name] = mean('pallas') / mean('precise')
+    print(f'| {name} | {ratios[name]:.3f} |')
+  llama = [v for k, v in ratios.items() if k != matmul.SHAPES[0][0]]
+  if len(llama) > 1:
+    print(f'geomean over {len(llama)} shapes but 8192^3:'
+          f' {math.exp(statistics.mean(map(math.log, llama))):.3f}')
 
 
 if __name__ == '__main__':
