@@ -175,6 +175,26 @@ def time_fn(f, args, *, warmup_s=0.3, reps=21, inner=None):
   return statistics.median(times), min(times), max(times)
 
 
+def time_mirrored(fns, args, rounds):
+  """Seconds per call of each jitted f in fns, one list of `rounds` values
+  per f. Each round times all of them in mirrored order (f1 .. fn fn .. f1,
+  batches of ~20 ms), so clock drift within a round hits all alike and
+  ratios are best taken per round."""
+  inner = []
+  for f in fns:
+    time_fn(f, args, reps=1)  # compile and warm
+    inner.append(max(1, int(0.02 / _batch(f, args, 3))))
+  times = [[] for _ in fns]
+  order = list(range(len(fns)))
+  for _ in range(rounds):
+    t = [0.0] * len(fns)
+    for i in order + order[::-1]:
+      t[i] += _batch(fns[i], args, inner[i])
+    for i, ti in enumerate(t):
+      times[i].append(ti / 2)
+  return times
+
+
 def global_warmup(seconds=2.0):
   a, b = operands(8192, 8192, 8192, E4M3)
   f = jax.jit(xla_fast)
@@ -438,9 +458,9 @@ def run_paired(args, log):
   """Pallas / cuBLASLt precise per shape as the median of paired ratios.
 
   Clocks drift between and within calls (cuBLASLt precise at 8192^3 measured
-  1194 and 1276 TFLOP/s in two calls of one session), so each of `rounds`
-  rounds times every Pallas config and cuBLASLt in mirrored order (batches
-  of ~20 ms: P1 .. Pn X X Pn .. P1) and the ratio is taken per round.
+  1194 and 1276 TFLOP/s in two calls of one session), so every Pallas config
+  and cuBLASLt are timed together by `time_mirrored` and the ratio is taken
+  per round.
   """
   configs = [None]  # select_config per shape
   if args.paired_config:
@@ -458,30 +478,17 @@ def run_paired(args, log):
     fns = [jax.jit(functools.partial(pallas, config=c)) for c in configs]
     fns.append(jax.jit(xla_precise))
     errs = [check_close(f(a, b, s), a, b, s) for f in fns[:-1]]  # ~3e-3
-    inner = []
-    for f in fns:
-      time_fn(f, (a, b, s), reps=1)  # compile and warm
-      inner.append(max(1, int(0.02 / _batch(f, (a, b, s), 3))))
-    times = [[] for _ in fns]
-    ratios = [[] for _ in configs]
-    order = list(range(len(fns)))
-    for _ in range(rounds):
-      t = [0.0] * len(fns)
-      for i in order + order[::-1]:
-        t[i] += _batch(fns[i], (a, b, s), inner[i])
-      for i, ti in enumerate(t):
-        times[i].append(ti / 2)
-      for j in range(len(configs)):
-        ratios[j].append(t[-1] / t[j])
+    times = time_mirrored(fns, (a, b, s), rounds)
     for j, cfg in enumerate(configs):
+      ratios = [x / p for x, p in zip(times[-1], times[j])]
       rows.append(dict(
           name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
           config=_tile(cfg or mosaic_gpu.select_config(m, n)),
           sweep=args.paired_config.split(',')[j] if cfg else 'select',
           pallas=flops / statistics.median(times[j]) / 1e12,
           precise=flops / statistics.median(times[-1]) / 1e12,
-          ratio=statistics.median(ratios[j]), lo=min(ratios[j]),
-          hi=max(ratios[j]), err=errs[j]))
+          ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios),
+          err=errs[j]))
       print(json.dumps(rows[-1]), flush=True)
     del a, b
   log['paired'] = rows

@@ -4,16 +4,17 @@
   PYTHONPATH=. python3 benchmarks/matmul_power.py --shapes all --repeats 3
 
 For each shape, runs the Pallas kernel and cuBLASLt precise back to back for
-`SECONDS` each (alternating, twice) while `nvidia-smi` samples the SM clock
-and the power draw every 50 ms, and prints TFLOP/s, the mean clock and power
-over each run's last 2/3, and TFLOP per clock cycle. If the Pallas kernel
-runs at a lower clock under the power cap, it spends more energy per FLOP;
-at equal clocks its gap is work per cycle. Last, per shape, the ratio of
-the two impls' mean TFLOP/s: the sustained counterpart of `matmul.py
---paired`, whose ~20 ms batches see the clocks of bursts.
+`--seconds` each (alternating, `--repeats` times) while `nvidia-smi` samples
+the SM clock and the power draw every 50 ms, and prints TFLOP/s, the mean
+clock and power over each run's last 2/3, and TFLOP per clock cycle. If the
+Pallas kernel runs at a lower clock under the power cap, it spends more
+energy per FLOP; at equal clocks its gap is work per cycle. Last, per
+shape, the ratio of the two impls' mean TFLOP/s: the sustained counterpart
+of `matmul.py --paired`, whose ~20 ms batches see the clocks of bursts.
 """
 
 import argparse
+import collections
 import math
 import os
 import statistics
@@ -43,6 +44,22 @@ def run_for(f, args, seconds):
   return t0, time.time(), calls
 
 
+def measure(specs, repeats, seconds):
+  """[(shape name, impl, start, end, FLOP/s)] of the alternating runs."""
+  runs = []
+  for name, m, n, k, a_dtype in map(matmul.parse_shape, specs):
+    a, b = matmul.operands(m, n, k, a_dtype)
+    s = jnp.float32(0.75)
+    impls = (('pallas', jax.jit(matmul.pallas)),
+             ('precise', jax.jit(matmul.xla_precise)))
+    for _ in range(repeats):
+      for label, f in impls:
+        t0, t1, calls = run_for(f, (a, b, s), seconds)
+        runs.append((name, label, t0, t1, 2.0 * m * n * k * calls / (t1 - t0)))
+    del a, b
+  return runs
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--shapes', default=DEFAULT_SHAPES,
@@ -56,32 +73,23 @@ def main():
            [str(i) for i in range(len(matmul.SHAPES))])
   print(f'# {jax.devices()[0].device_kind}, jax {jax.__version__},'
         f' {time.strftime("%Y-%m-%d %H:%M:%S")}', flush=True)
+  matmul.global_warmup(2.0)
   # To a file: a pipe read only at the end fills up and stalls nvidia-smi.
   smi_path = os.path.join(os.environ.get('OUT', '.'), 'smi.csv')
-  smi_file = open(smi_path, 'w')  # pylint: disable=consider-using-with
-  smi = subprocess.Popen(
-      ['nvidia-smi', '--query-gpu=timestamp,clocks.sm,power.draw',
-       '--format=csv,noheader,nounits', '-lms', '50'], stdout=smi_file,
-      text=True)
-  samples = []  # (unix time, MHz, W)
-  runs = []
-  matmul.global_warmup(2.0)
-  for name, m, n, k, a_dtype in map(matmul.parse_shape, specs):
-    a, b = matmul.operands(m, n, k, a_dtype)
-    s = jnp.float32(0.75)
-    impls = (('pallas', jax.jit(matmul.pallas)),
-             ('precise', jax.jit(matmul.xla_precise)))
-    for _ in range(args.repeats):
-      for label, f in impls:
-        t0, t1, calls = run_for(f, (a, b, s), args.seconds)
-        runs.append((name, label, t0, t1, 2.0 * m * n * k * calls / (t1 - t0)))
-    del a, b
-  time.sleep(0.2)
-  smi.terminate()
-  smi.wait()
-  smi_file.close()
+  with open(smi_path, 'w') as smi_file:
+    smi = subprocess.Popen(
+        ['nvidia-smi', '--query-gpu=timestamp,clocks.sm,power.draw',
+         '--format=csv,noheader,nounits', '-lms', '50'], stdout=smi_file,
+        text=True)
+    try:
+      runs = measure(specs, args.repeats, args.seconds)
+      time.sleep(0.2)
+    finally:
+      smi.terminate()
+      smi.wait()
   with open(smi_path) as f:
     lines = f.readlines()
+  samples = []  # (unix time, MHz, W)
   for line in lines:
     stamp, mhz, watts = [x.strip() for x in line.split(',')]
     t = time.mktime(time.strptime(stamp.split('.')[0], '%Y/%m/%d %H:%M:%S'))
@@ -101,11 +109,13 @@ def main():
           f' {watts:.0f} | {flops / 1e12 / (mhz / 1e3):.0f} |')
   print('\n| GEMM | Pallas / precise (mean TFLOP/s over the runs) |')
   print('|---|---|')
+  tflops = collections.defaultdict(list)
+  for name, label, *_, flops in runs:
+    tflops[name, label].append(flops)
   ratios = {}
   for name in dict.fromkeys(r[0] for r in runs):
-    mean = lambda label: statistics.mean(  # pylint: disable=cell-var-from-loop
-        r[4] for r in runs if r[0] == name and r[1] == label)
-    ratios[name] = mean('pallas') / mean('precise')
+    ratios[name] = (statistics.mean(tflops[name, 'pallas'])
+                    / statistics.mean(tflops[name, 'precise']))
     print(f'| {name} | {ratios[name]:.3f} |')
   llama = [v for k, v in ratios.items() if k != matmul.SHAPES[0][0]]
   if len(llama) > 1:

@@ -5,7 +5,7 @@ cudaProfilerStart and cudaProfilerStop, so XLA's autotuning and the input
 generation stay out of the report:
 
   ncu --profile-from-start off --clock-control none --set full \\
-      -o prof python3 benchmarks/ncu_matmul.py --shape 8192,8192,8192
+      -o prof python3 benchmarks/ncu_matmul.py --shape 8192x8192x8192
   ncu -i prof.ncu-rep --page details            # per-kernel sections
   ncu -i prof.ncu-rep --page source --csv --print-source sass   # stalls
 """
@@ -40,15 +40,16 @@ def _cudart():
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--shape', default='8192,8192,8192', help='M,N,K')
+  p.add_argument('--shape', default='0',
+                 help='as matmul.py --shapes, one shape (default: 8192^3)')
   p.add_argument('--config', type=int, default=None,
                  help='index into matmul.SWEEP; default select_config')
   p.add_argument('--calls', type=int, default=2)
   args = p.parse_args()
-  m, n, k = map(int, args.shape.split(','))
+  _, m, n, k, a_dtype = matmul.parse_shape(args.shape)
   config = None if args.config is None else matmul.SWEEP[args.config]
   print('pallas config:', config or mosaic_gpu.select_config(m, n))
-  a, b = matmul.operands(m, n, k, matmul.E4M3)
+  a, b = matmul.operands(m, n, k, a_dtype)
   s = jnp.float32(1.0)
   fns = [jax.jit(functools.partial(matmul.pallas, config=config)),
          jax.jit(matmul.xla_precise)]

@@ -26,7 +26,6 @@ accumulator and covers one 128-byte swizzle of K (the promoting configs).
 """
 
 import argparse
-import collections
 import contextlib
 import functools
 import importlib
@@ -118,23 +117,11 @@ def run(args):
     assert all(same.values()), name
     if name == EDGE[0]:
       continue
-    fx = jax.jit(matmul.xla_precise)
-    fns = dict(fs, xla=fx)
-    inner = {}
-    for key, f in fns.items():
-      matmul.time_fn(f, (a, b, s), reps=1)
-      inner[key] = max(1, int(0.02 / matmul._batch(f, (a, b, s), 3)))
     order = list(VARIANTS) + ['xla']
-    times = collections.defaultdict(list)
-    ratios = collections.defaultdict(list)
-    for _ in range(args.rounds):
-      t = collections.defaultdict(float)
-      for key in order + order[::-1]:
-        t[key] += matmul._batch(fns[key], (a, b, s), inner[key])
-      for key in order:
-        times[key].append(t[key] / 2)
-      for v in VARIANTS:
-        ratios[v].append(t['xla'] / t[v])
+    fns = [fs[v] for v in VARIANTS] + [jax.jit(matmul.xla_precise)]
+    times = dict(zip(order, matmul.time_mirrored(fns, (a, b, s), args.rounds)))
+    ratios = {v: [x / t for x, t in zip(times['xla'], times[v])]
+              for v in VARIANTS}
     flops = 2.0 * m * n * k
     cells = [f'{flops / statistics.median(times["xla"]) / 1e12:.0f}']
     for v in VARIANTS:
