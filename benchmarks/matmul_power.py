@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python3 benchmarks/matmul_power.py
   PYTHONPATH=. python3 benchmarks/matmul_power.py --shapes all --repeats 3
+  PYTHONPATH=. python3 benchmarks/matmul_power.py --configs 19,25  # SWEEP
 
 For each shape, runs the Pallas kernel and cuBLASLt precise back to back for
 `--seconds` each (alternating, `--repeats` times) while `nvidia-smi` samples
@@ -15,6 +16,7 @@ of `matmul.py --paired`, whose ~20 ms batches see the clocks of bursts.
 
 import argparse
 import collections
+import functools
 import math
 import os
 import statistics
@@ -44,14 +46,18 @@ def run_for(f, args, seconds):
   return t0, time.time(), calls
 
 
-def measure(specs, repeats, seconds):
-  """[(shape name, impl, start, end, FLOP/s)] of the alternating runs."""
+def measure(specs, repeats, seconds, configs=()):
+  """[(shape name, impl, start, end, FLOP/s)] of the alternating runs;
+  impl 'pallas' is select_config, 'pallas I' SWEEP config I."""
   runs = []
+  pallas = [('pallas', None)] if not configs else [
+      (f'pallas {i}', matmul.SWEEP[i]) for i in configs]
   for name, m, n, k, a_dtype in map(matmul.parse_shape, specs):
     a, b = matmul.operands(m, n, k, a_dtype)
     s = jnp.float32(0.75)
-    impls = (('pallas', jax.jit(matmul.pallas)),
-             ('precise', jax.jit(matmul.xla_precise)))
+    impls = [(label, jax.jit(functools.partial(matmul.pallas, config=cfg)))
+             for label, cfg in pallas]
+    impls.append(('precise', jax.jit(matmul.xla_precise)))
     for _ in range(repeats):
       for label, f in impls:
         t0, t1, calls = run_for(f, (a, b, s), seconds)
@@ -68,6 +74,9 @@ def main():
                  help='alternations of the two impls per shape')
   p.add_argument('--seconds', type=float, default=3.0,
                  help='seconds per run')
+  p.add_argument('--configs', default='',
+                 help='SWEEP indices in matmul.py, each its own Pallas impl'
+                      ' (default: select_config)')
   args = p.parse_args()
   specs = (args.shapes.split(',') if args.shapes != 'all' else
            [str(i) for i in range(len(matmul.SHAPES))])
@@ -82,7 +91,8 @@ def main():
          '--format=csv,noheader,nounits', '-lms', '50'], stdout=smi_file,
         text=True)
     try:
-      runs = measure(specs, args.repeats, args.seconds)
+      runs = measure(specs, args.repeats, args.seconds,
+                     [int(i) for i in args.configs.split(',') if i])
       time.sleep(0.2)
     finally:
       smi.terminate()
@@ -107,21 +117,25 @@ def main():
     watts = statistics.mean(w for _, w in window)
     print(f'| {name} | {label} | {flops / 1e12:.0f} | {mhz:.0f} |'
           f' {watts:.0f} | {flops / 1e12 / (mhz / 1e3):.0f} |')
-  print('\n| GEMM | Pallas / precise (mean TFLOP/s over the runs) |')
-  print('|---|---|')
+  labels = list(dict.fromkeys(r[1] for r in runs if r[1] != 'precise'))
+  print('\n| GEMM | ' + ' | '.join(f'{x} / precise' for x in labels) +
+        ' |  (mean TFLOP/s over the runs)')
+  print('|---|' + '---|' * len(labels))
   tflops = collections.defaultdict(list)
   for name, label, *_, flops in runs:
     tflops[name, label].append(flops)
-  ratios = {}
+  ratios = collections.defaultdict(dict)  # impl -> shape -> ratio
   for name in dict.fromkeys(r[0] for r in runs):
-    ratios[name] = (statistics.mean(tflops[name, 'pallas'])
-                    / statistics.mean(tflops[name, 'precise']))
-    print(f'| {name} | {ratios[name]:.3f} |')
-  llama = [v for k, v in ratios.items() if k != matmul.SHAPES[0][0]]
-  if len(llama) > 1:
-    print(f'geomean over {len(llama)} shapes but 8192^3:'
-          f' {math.exp(statistics.mean(map(math.log, llama))):.3f}')
-
+    precise = statistics.mean(tflops[name, 'precise'])
+    for label in labels:
+      ratios[label][name] = statistics.mean(tflops[name, label]) / precise
+    print(f'| {name} | ' + ' | '.join(
+        f'{ratios[x][name]:.3f}' for x in labels) + ' |')
+  for label in labels:
+    llama = [v for k, v in ratios[label].items() if k != matmul.SHAPES[0][0]]
+    if len(llama) > 1:
+      print(f'{label}: geomean over {len(llama)} shapes but 8192^3:'
+            f' {math.exp(statistics.mean(map(math.log, llama))):.3f}')
 
 if __name__ == '__main__':
   main()
