@@ -376,9 +376,6 @@ SWEEP = [
     _three(grid_tile_width=4),
     _three(grid_tile_width=16),
     _three(grid_minor_m=False),
-    # A hand-written pipeline streaming a CTA's tiles without drains (25, 26).
-    _three(stream_tiles=True),
-    C(block_k=256, split_k=2, stream_tiles=True),
 ]
 
 

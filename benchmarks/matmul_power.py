@@ -2,16 +2,18 @@
 
   PYTHONPATH=. python3 benchmarks/matmul_power.py
   PYTHONPATH=. python3 benchmarks/matmul_power.py --shapes all --repeats 3
-  PYTHONPATH=. python3 benchmarks/matmul_power.py --configs 19,25  # SWEEP
+  PYTHONPATH=. python3 benchmarks/matmul_power.py --configs 1,19  # SWEEP
 
-For each shape, runs the Pallas kernel and cuBLASLt precise back to back for
+For each shape, runs the Pallas kernel (select_config, or each `--configs`
+index into matmul.py's SWEEP) and cuBLASLt precise back to back for
 `--seconds` each (alternating, `--repeats` times) while `nvidia-smi` samples
 the SM clock and the power draw every 50 ms, and prints TFLOP/s, the mean
 clock and power over each run's last 2/3, and TFLOP per clock cycle. If the
 Pallas kernel runs at a lower clock under the power cap, it spends more
 energy per FLOP; at equal clocks its gap is work per cycle. Last, per
-shape, the ratio of the two impls' mean TFLOP/s: the sustained counterpart
-of `matmul.py --paired`, whose ~20 ms batches see the clocks of bursts.
+shape, each Pallas impl's mean TFLOP/s over cuBLASLt's: the sustained
+counterpart of `matmul.py --paired`, whose ~20 ms batches see the clocks of
+bursts.
 """
 
 import argparse

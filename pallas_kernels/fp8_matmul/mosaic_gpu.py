@@ -80,11 +80,6 @@ class Config:
       output always pads).
     compute_wgs: compute warpgroups, 2 or 3 (with 3, 24 registers for the
       memory warpgroup leave 160 per compute thread: 128 for accumulators).
-    stream_tiles: a hand-written pipeline (`_streamed_kernel`) in which the
-      memory warpgroup streams all of a CTA's tiles through the SMEM stages
-      without draining between tiles, so the next tile's loads overlap the
-      last steps and the epilogue of this one. Otherwise each tile runs
-      `emit_pipeline_warp_specialized`, which drains at its end.
   """
 
   block_m: int = 128
@@ -100,7 +95,6 @@ class Config:
   overlap_epilogue: bool = False
   pad_mn: bool = True
   compute_wgs: int = 2
-  stream_tiles: bool = False
 
   @property
   def wg_m(self) -> int:
@@ -129,10 +123,6 @@ class Config:
       raise ValueError('chain_tiles needs promote=True.')
     if self.overlap_epilogue and not self.chain_tiles:
       raise ValueError('overlap_epilogue needs chain_tiles=True.')
-    if self.stream_tiles and (self.chain_tiles or self.cluster_m != 1
-                              or not self.promote):
-      raise ValueError('stream_tiles needs promote=True, cluster_m=1 and'
-                       ' chain_tiles=False.')
     wg_regs = self.wg_m * self.block_n // 128
     n_acc = 1 + self.split_k if self.promote else 1
     limit = {2: 216, 3: 128}[self.compute_wgs]
@@ -340,12 +330,6 @@ def _promote(total, accs):
   return total
 
 
-def _tile_walk(cfg: Config, lin, m_iters: int, n_iters: int):
-  """(m block or cluster, n block) of the lin-th tile in the tile walk."""
-  return plgpu.planar_snake(lin, (m_iters, n_iters),
-                            0 if cfg.grid_minor_m else 1, cfg.grid_tile_width)
-
-
 def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
               a_dtype, b_dtype, stages: int, delay: int = 0):
   """The warp-specialized pipeline both kernels run: TMA streams
@@ -401,7 +385,9 @@ def _kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config, m_iters: int,
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes='sm')
     def _tile_loop(info):
       (lin,) = info.index
-      mc, ni = _tile_walk(cfg, lin, m_iters, n_iters)
+      mc, ni = plgpu.planar_snake(
+          lin, (m_iters, n_iters), 0 if cfg.grid_minor_m else 1,
+          cfg.grid_tile_width)
       mi = mc * cfg.cluster_m + cta
       m_sl = pl.ds(mi * cfg.block_m, cfg.block_m)
       n_sl = pl.ds(ni * cfg.block_n, cfg.block_n)
@@ -440,107 +426,6 @@ def _kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config, m_iters: int,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _streamed_kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config,
-                     m_iters: int, n_iters: int, k_iters: int, stages: int):
-  """`_kernel` with a hand-written pipeline over all of this CTA's tiles.
-
-  The memory warpgroup walks this CTA's (tile, k) steps in one sequence,
-  loading step g into SMEM slot g % stages once every compute warpgroup has
-  released that slot (arrived on empty[slot]); both TMA loads of a step
-  arrive on full[slot]. Nothing drains between tiles: the next tile's first
-  loads run during this tile's last steps and its epilogue. When k_iters is
-  a multiple of stages every tile starts at slot 0 and the k loop is
-  unrolled by stages, so slots and barrier phases are static.
-  """
-  wg_m = cfg.wg_m
-  num_tiles = m_iters * n_iters
-  write_tile = _tile_writer(cfg, s_gmem, refs)
-
-  def for_steps(first, fn, carry):
-    """carry = fn(k, slot, carry) for k < k_iters, slot (first + k) % stages."""
-    if k_iters % stages == 0:
-      def chunk(c, carry):
-        for s in range(stages):
-          carry = fn(c * stages + s, s, carry)
-        return carry
-      return lax.fori_loop(0, k_iters // stages, chunk, carry)
-    return lax.fori_loop(
-        0, k_iters, lambda k, carry: fn(k, lax.rem(first + k, stages), carry),
-        carry)
-
-  def tile_slices(lin):
-    mi, ni = _tile_walk(cfg, lin, m_iters, n_iters)
-    return (mi, ni, pl.ds(mi * cfg.block_m, cfg.block_m),
-            pl.ds(ni * cfg.block_n, cfg.block_n))
-
-  def memory(a_smem, b_smem, full, empty):
-    plgpu.set_max_registers(_MEMORY_REGISTERS[cfg.compute_wgs],
-                            action='decrease')
-
-    @plgpu.nd_loop((num_tiles,), collective_axes='sm')
-    def _tile_loop(info):
-      _, _, m_sl, n_sl = tile_slices(info.index[0])
-
-      def load(k, slot, carry):
-        plgpu.barrier_wait(empty.at[slot])
-        k_sl = pl.ds(k * cfg.block_k, cfg.block_k)
-        plgpu.copy_gmem_to_smem(a_gmem.at[m_sl, k_sl], a_smem.at[slot],
-                                full.at[slot])
-        plgpu.copy_gmem_to_smem(b_gmem.at[n_sl, k_sl], b_smem.at[slot],
-                                full.at[slot])
-        return carry
-      for_steps(info.local_index * k_iters, load, ())
-
-  def compute(a_smem, b_smem, full, empty):
-    plgpu.set_max_registers(_compute_registers(cfg), action='increase')
-    wg = lax.axis_index('wg')
-    wg_sl = pl.ds(wg * wg_m, wg_m)
-    for slot in range(stages):  # every slot starts empty
-      plgpu.barrier_arrive(empty.at[slot])
-
-    @plgpu.nd_loop((num_tiles,), collective_axes='sm')
-    def _tile_loop(info):
-      mi, ni, _, _ = tile_slices(info.index[0])
-
-      def step(k, slot, total):
-        del k
-        plgpu.barrier_wait(full.at[slot])
-
-        def mma(*accs):
-          _issue_wgmmas(accs, a_smem.at[slot], b_smem.at[slot], wg_sl)
-          return _promote(total, accs)
-        total = pl.run_scoped(
-            mma, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * cfg.split_k)
-        plgpu.barrier_arrive(empty.at[slot])
-        return total
-      write_tile(for_steps(info.local_index * k_iters, step, _zero_acc(cfg)),
-                 mi, ni, wg)
-
-  def scoped(*allocs):
-    lax.cond(lax.axis_index('wg') == cfg.compute_wgs,
-             lambda: memory(*allocs), lambda: compute(*allocs))
-
-  a_dtype, b_dtype = a_gmem.dtype, b_gmem.dtype
-  pl.run_scoped(
-      scoped,
-      plgpu.SMEM((stages, cfg.block_m, cfg.block_k), a_dtype,
-                 transforms=_transforms(a_dtype, cfg.block_k)),
-      plgpu.SMEM((stages, cfg.block_n, cfg.block_k), b_dtype,
-                 transforms=_transforms(b_dtype, cfg.block_k)),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=stages),
-      collective_axes='wg',
-  )
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _compute_registers(cfg: Config) -> int:
-  """Registers per compute thread beside the memory warpgroup's: the 64K
-  register file shared out in multiples of 8, at most 256 (jax's rule)."""
-  regs = min(256, (512 - _MEMORY_REGISTERS[cfg.compute_wgs]) // cfg.compute_wgs)
-  return regs // 8 * 8
-
-
 def _chained_kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config,
                     m_iters: int, n_iters: int, k_iters: int, stages: int,
                     num_ctas: int):
@@ -564,8 +449,9 @@ def _chained_kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config,
   def tile(t):
     """(m block, n block, whether this CTA writes it) of its t-th tile."""
     lin = sm + t * num_ctas
-    mc, ni = _tile_walk(cfg, jnp.minimum(lin, num_tiles - 1), m_iters,
-                        n_iters)
+    mc, ni = plgpu.planar_snake(
+        jnp.minimum(lin, num_tiles - 1), (m_iters, n_iters),
+        0 if cfg.grid_minor_m else 1, cfg.grid_tile_width)
     return mc * cfg.cluster_m + cta, ni, lin < num_tiles
 
   def write(acc, t):
@@ -724,10 +610,8 @@ def _call_kernel(a, b, scale, out_dtype, config):
   if grouped:
     out_types += (jax.ShapeDtypeStruct((mp, np_ // GROUP), jnp.float32),)
   num_ctas = _num_sms() // cfg.cluster_m
-  if cfg.chain_tiles:
-    kernel = functools.partial(_chained_kernel, num_ctas=num_ctas)
-  else:
-    kernel = _streamed_kernel if cfg.stream_tiles else _kernel
+  kernel = (functools.partial(_chained_kernel, num_ctas=num_ctas)
+            if cfg.chain_tiles else _kernel)
   f = plgpu.kernel(
       functools.partial(kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
                         k_iters=k_iters, stages=stages),
