@@ -506,7 +506,7 @@ def run_paired(args, log):
     llama = [r['ratio'] for r in rows[j::len(configs)]
              if r['name'] in llama_names]
     if llama:
-      geomean = float(np.exp(np.mean(np.log(llama))))
+      geomean = statistics.geometric_mean(llama)
       print(f'geomean over the {len(llama)} Llama shapes'
             f' ({rows[j]["sweep"]}): {geomean:.3f}')
 

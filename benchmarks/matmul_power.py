@@ -19,7 +19,6 @@ bursts.
 import argparse
 import collections
 import functools
-import math
 import os
 import statistics
 import subprocess
@@ -73,7 +72,7 @@ def main():
   p.add_argument('--shapes', default=DEFAULT_SHAPES,
                  help="as matmul.py --shapes, or 'all' (default: 0,7,4)")
   p.add_argument('--repeats', type=int, default=2,
-                 help='alternations of the two impls per shape')
+                 help='alternations of the impls per shape')
   p.add_argument('--seconds', type=float, default=3.0,
                  help='seconds per run')
   p.add_argument('--configs', default='',
@@ -120,8 +119,8 @@ def main():
     print(f'| {name} | {label} | {flops / 1e12:.0f} | {mhz:.0f} |'
           f' {watts:.0f} | {flops / 1e12 / (mhz / 1e3):.0f} |')
   labels = list(dict.fromkeys(r[1] for r in runs if r[1] != 'precise'))
-  print('\n| GEMM | ' + ' | '.join(f'{x} / precise' for x in labels) +
-        ' |  (mean TFLOP/s over the runs)')
+  print('\nMean TFLOP/s over the runs, Pallas / cuBLASLt precise:')
+  print('\n| GEMM | ' + ' | '.join(labels) + ' |')
   print('|---|' + '---|' * len(labels))
   tflops = collections.defaultdict(list)
   for name, label, *_, flops in runs:
@@ -137,7 +136,8 @@ def main():
     llama = [v for k, v in ratios[label].items() if k != matmul.SHAPES[0][0]]
     if len(llama) > 1:
       print(f'{label}: geomean over {len(llama)} shapes but 8192^3:'
-            f' {math.exp(statistics.mean(map(math.log, llama))):.3f}')
+            f' {statistics.geometric_mean(llama):.3f}')
+
 
 if __name__ == '__main__':
   main()
