@@ -7,6 +7,7 @@
   python3 benchmarks/matmul.py --groups        # FP8 1x16 grouped output
   python3 benchmarks/matmul.py --paired        # Pallas / cuBLASLt, paired
   python3 benchmarks/matmul.py --paired --shapes 0 --rounds 61   # 8192^3 only
+  python3 benchmarks/matmul.py --paired --shapes 0 --control  # + A/A row
   python3 benchmarks/matmul.py --paired --paired-config 1,19 \
       --shapes 0,8448x8064x8192     # two SWEEP configs, any M x N x K
   python3 benchmarks/matmul.py --k-lines --configs 1,19   # time against K
@@ -30,6 +31,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -219,6 +221,15 @@ def hlo_check(a, b):
   return res
 
 
+def cublas_algorithm(f, args) -> str:
+  """The cuBLASLt algorithm(s) XLA's autotuner picked for jitted f(*args)
+  ('selected_algorithm' of each GEMM custom call; it can differ between
+  processes, which would move a ratio to cuBLASLt from one call to the
+  next)."""
+  txt = f.lower(*args).compile().as_text()
+  return ','.join(re.findall(r'"selected_algorithm":"?(-?[0-9]+)', txt)) or '?'
+
+
 def relerr(out, ref):
   out = np.asarray(out, np.float64)
   return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
@@ -376,6 +387,10 @@ SWEEP = [
     _three(grid_tile_width=4),
     _three(grid_tile_width=16),
     _three(grid_minor_m=False),
+    # Stages released after the FP32 adds (25: THREE_WG_CONFIG before
+    # early_release), and before them in the default (26).
+    _three(early_release=False),
+    C(block_k=256, split_k=2, early_release=True),
 ]
 
 
@@ -460,12 +475,17 @@ def run_paired(args, log):
   Clocks drift between and within calls (cuBLASLt precise at 8192^3 measured
   1194 and 1276 TFLOP/s in two calls of one session), so every Pallas config
   and cuBLASLt are timed together by `time_mirrored` and the ratio is taken
-  per round.
+  per round. `--control` adds cuBLASLt precise itself as one more entry: its
+  ratio (A/A) is what the timing can resolve.
   """
   configs = [None]  # select_config per shape
   if args.paired_config:
     configs = [SWEEP[int(i)] for i in args.paired_config.split(',')]
   print('pallas configs:', configs, flush=True)
+  labels = args.paired_config.split(',') if args.paired_config else ['select']
+  if args.control:  # cuBLASLt precise against itself: the A/A resolution
+    configs.append('control')
+    labels.append('control')
   global_warmup(2.0)
   rounds = args.rounds or (5 if args.quick else 15)
   rows = []
@@ -475,20 +495,23 @@ def run_paired(args, log):
     a, b = operands(m, n, k, a_dtype)
     s = jnp.float32(0.75)
     flops = 2.0 * m * n * k
-    fns = [jax.jit(functools.partial(pallas, config=c)) for c in configs]
+    fns = [jax.jit(xla_precise) if c == 'control' else
+           jax.jit(functools.partial(pallas, config=c)) for c in configs]
     fns.append(jax.jit(xla_precise))
     errs = [check_close(f(a, b, s), a, b, s) for f in fns[:-1]]  # ~3e-3
+    algo = cublas_algorithm(fns[-1], (a, b, s))
     times = time_mirrored(fns, (a, b, s), rounds)
     for j, cfg in enumerate(configs):
       ratios = [x / p for x, p in zip(times[-1], times[j])]
       rows.append(dict(
           name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
-          config=_tile(cfg or mosaic_gpu.select_config(m, n)),
-          sweep=args.paired_config.split(',')[j] if cfg else 'select',
+          config=('cuBLASLt precise' if cfg == 'control' else
+                  _tile(cfg or mosaic_gpu.select_config(m, n))),
+          sweep=labels[j],
           pallas=flops / statistics.median(times[j]) / 1e12,
           precise=flops / statistics.median(times[-1]) / 1e12,
           ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios),
-          err=errs[j]))
+          err=errs[j], cublas_algorithm=algo))
       print(json.dumps(rows[-1]), flush=True)
     del a, b
   log['paired'] = rows
@@ -503,6 +526,8 @@ def run_paired(args, log):
           f' {r["lo"]:.3f}..{r["hi"]:.3f} |')
   llama_names = {s[0] for s in SHAPES[1:]}
   for j in range(len(configs)):
+    if configs[j] == 'control':
+      continue
     llama = [r['ratio'] for r in rows[j::len(configs)]
              if r['name'] in llama_names]
     if llama:
@@ -683,6 +708,9 @@ def main():
   p.add_argument('--paired-config', default='',
                  help='with --paired: SWEEP indices to time, e.g. 19,25'
                  ' (default: select_config per shape)')
+  p.add_argument('--control', action='store_true',
+                 help='with --paired: also time cuBLASLt precise against'
+                 ' itself (an A/A control row, sweep "control")')
   p.add_argument('--rounds', type=int, default=0,
                  help='with --paired: ABBA rounds per shape (default 15)')
   p.add_argument('--shapes', default='',

@@ -8,6 +8,7 @@ accurate as cuBLASLt's precise FP8 path on random inputs, on boundary shapes
 and with scales != 1.
 """
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -240,10 +241,13 @@ MOSAIC_CONFIGS = [
                       pad_mn=False),
     mosaic_gpu.THREE_WG_CONFIG,
     mosaic_gpu.Config(block_m=192, block_k=128, split_k=1, compute_wgs=3),
+    mosaic_gpu.Config(early_release=True),
+    dataclasses.replace(mosaic_gpu.THREE_WG_CONFIG, early_release=False),
 ]
 MOSAIC_IDS = ['default', 'chain', 'chain_overlap', 'chain_cluster2',
               'chain_k128', 'n144_tma_edges', 'n160_tma_edges',
-              'three_wg_tma_edges', 'three_wg_padded']
+              'three_wg_tma_edges', 'three_wg_padded', 'early_release',
+              'three_wg_late_release']
 
 
 @pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
@@ -300,6 +304,8 @@ def test_mosaic_config_errors():
     mosaic_gpu.Config(compute_wgs=3).validate(1)
   with pytest.raises(ValueError, match='192 accumulator registers'):
     mosaic_gpu.Config(block_m=192, compute_wgs=3).validate(1)  # split_k 2
+  with pytest.raises(ValueError, match='early_release needs promote'):
+    mosaic_gpu.Config(chain_tiles=True, early_release=True).validate(1)
 
 
 def test_select_config_by_wave_efficiency():
