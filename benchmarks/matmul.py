@@ -483,8 +483,7 @@ def run_paired(args, log):
     configs = [SWEEP[int(i)] for i in args.paired_config.split(',')]
   print('pallas configs:', configs, flush=True)
   labels = args.paired_config.split(',') if args.paired_config else ['select']
-  if args.control:  # cuBLASLt precise against itself: the A/A resolution
-    configs.append('control')
+  if args.control:
     labels.append('control')
   global_warmup(2.0)
   rounds = args.rounds or (5 if args.quick else 15)
@@ -495,19 +494,21 @@ def run_paired(args, log):
     a, b = operands(m, n, k, a_dtype)
     s = jnp.float32(0.75)
     flops = 2.0 * m * n * k
-    fns = [jax.jit(xla_precise) if c == 'control' else
-           jax.jit(functools.partial(pallas, config=c)) for c in configs]
+    fns = [jax.jit(functools.partial(pallas, config=c)) for c in configs]
+    errs = [check_close(f(a, b, s), a, b, s) for f in fns]  # ~3e-3
+    tiles = [_tile(c or mosaic_gpu.select_config(m, n)) for c in configs]
+    if args.control:  # cuBLASLt precise against itself: the A/A resolution
+      fns.append(jax.jit(xla_precise))
+      errs.append(None)
+      tiles.append('cuBLASLt precise')
     fns.append(jax.jit(xla_precise))
-    errs = [check_close(f(a, b, s), a, b, s) for f in fns[:-1]]  # ~3e-3
     algo = cublas_algorithm(fns[-1], (a, b, s))
     times = time_mirrored(fns, (a, b, s), rounds)
-    for j, cfg in enumerate(configs):
+    for j, label in enumerate(labels):
       ratios = [x / p for x, p in zip(times[-1], times[j])]
       rows.append(dict(
           name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
-          config=('cuBLASLt precise' if cfg == 'control' else
-                  _tile(cfg or mosaic_gpu.select_config(m, n))),
-          sweep=labels[j],
+          config=tiles[j], sweep=label,
           pallas=flops / statistics.median(times[j]) / 1e12,
           precise=flops / statistics.median(times[-1]) / 1e12,
           ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios),
@@ -525,10 +526,8 @@ def run_paired(args, log):
           f' {r["precise"]:.0f} | {r["ratio"]:.3f} |'
           f' {r["lo"]:.3f}..{r["hi"]:.3f} |')
   llama_names = {s[0] for s in SHAPES[1:]}
-  for j in range(len(configs)):
-    if configs[j] == 'control':
-      continue
-    llama = [r['ratio'] for r in rows[j::len(configs)]
+  for j in range(len(configs)):  # not the control
+    llama = [r['ratio'] for r in rows[j::len(labels)]
              if r['name'] in llama_names]
     if llama:
       geomean = statistics.geometric_mean(llama)
