@@ -71,18 +71,20 @@ def _store_never(acc, scale_ref, out_tile, out_smem, wg):
       lambda: _STORE_TILE(acc, scale_ref, out_tile, out_smem, wg))
 
 
-def _store_chunks(chunks, wait_between):
-  """A's store of its first `chunks` 64-column chunks, with or without the
-  wait for the previous chunk's read."""
+def _store_chunks(chunks=2, wait=True, second_buffer=False):
+  """A's store of its first `chunks` 64-column chunks; without `wait` the
+  second chunk does not wait for the first one's read, and goes to the
+  second buffer (`_SecondBufferPlgpu`) with `second_buffer`, else races it
+  (timing only)."""
   def store(acc, scale_ref, out_tile, out_smem, wg):
     y = (acc * scale_ref[0]).astype(out_tile.dtype)
     for j in range(chunks):
-      if j == 0 or wait_between:
+      buf = _SECOND_BUFFER[0] if j and second_buffer else out_smem
+      if j == 0 or wait:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      out_smem[wg] = y[:, j * 64:(j + 1) * 64]
+      buf[wg] = y[:, j * 64:(j + 1) * 64]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                              out_tile.at[:, pl.ds(j * 64, 64)])
+      plgpu.copy_smem_to_gmem(buf.at[wg], out_tile.at[:, pl.ds(j * 64, 64)])
   return store
 
 
@@ -106,21 +108,6 @@ class _SecondBufferPlgpu:
     extra = plgpu.SMEM(first.shape, first.dtype, transforms=first.transforms)
     return plgpu.kernel(wrapped, scratch_types=[*scratch_types, extra],
                         **kwargs)
-
-
-def _store_two_buffers(use_second):
-  """A's two chunks; with `use_second` the second one goes to the second
-  buffer without a wait, else the second buffer stays unused."""
-  def store(acc, scale_ref, out_tile, out_smem, wg):
-    y = (acc * scale_ref[0]).astype(out_tile.dtype)
-    for j in range(2):
-      buf = _SECOND_BUFFER[0] if j and use_second else out_smem
-      if j == 0 or not use_second:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      buf[wg] = y[:, j * 64:(j + 1) * 64]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(buf.at[wg], out_tile.at[:, pl.ds(j * 64, 64)])
-  return store
 
 
 def _writer_direct(cfg, s_gmem, refs):
@@ -164,14 +151,13 @@ FIVE = dataclasses.replace(THREE, max_stages=5)
 VARIANTS = {
     'A': (THREE, {}, True),
     'B': (THREE, {'_store_tile': _store_never}, False),
-    'M': (THREE, {'_store_tile': _store_chunks(1, True)}, False),
+    'M': (THREE, {'_store_tile': _store_chunks(1)}, False),
     'C': (THREE, {'_plan_smem': _plan_cols(32)}, True),
     'D': (THREE, {'_plan_smem': _plan_cols(128)}, True),
-    'N': (THREE, {'_store_tile': _store_chunks(2, False)}, False),
-    'S': (THREE, {'plgpu': _SecondBufferPlgpu(),
-                  '_store_tile': _store_two_buffers(True)}, True),
-    'R': (THREE, {'plgpu': _SecondBufferPlgpu(),
-                  '_store_tile': _store_two_buffers(False)}, True),
+    'N': (THREE, {'_store_tile': _store_chunks(wait=False)}, False),
+    'S': (THREE, {'plgpu': _SecondBufferPlgpu(), '_store_tile': _store_chunks(
+        wait=False, second_buffer=True)}, True),
+    'R': (THREE, {'plgpu': _SecondBufferPlgpu()}, True),
     'E': (FIVE, {}, True),
     'F': (FIVE, {'_store_tile': _store_never}, False),
     'H': (THREE, {'_tile_writer': _writer_direct}, True),
@@ -188,19 +174,11 @@ def _compiled(letter, args):
 
 
 def profile(group, shape):
-  """Each variant of `group` once on `shape`, warmed, inside
-  cudaProfilerStart/Stop."""
+  """Each variant of `group` once on `shape`, warmed, for ncu."""
   _, m, n, k, a_dtype = matmul.parse_shape(shape)
   operands = (*matmul.operands(m, n, k, a_dtype), jnp.float32(0.75))
-  fns = [_compiled(v, operands)[0] for v in group]
-  for f in fns:
-    for _ in range(3):
-      jax.block_until_ready(f(*operands))
-  cudart = ncu_matmul._cudart()  # pylint: disable=protected-access
-  cudart.cudaProfilerStart()
-  for f in fns:
-    jax.block_until_ready(f(*operands))
-  cudart.cudaProfilerStop()
+  ncu_matmul.profile_calls([_compiled(v, operands)[0] for v in group],
+                           operands, calls=1)
 
 
 def main():

@@ -38,6 +38,20 @@ def _cudart():
   return ctypes.CDLL(os.path.join(lib, so[-1]))
 
 
+def profile_calls(fns, args, calls):
+  """Warms each jitted f(*args), then runs each `calls` times, in order,
+  between cudaProfilerStart and cudaProfilerStop."""
+  for f in fns:
+    for _ in range(3):
+      jax.block_until_ready(f(*args))
+  cudart = _cudart()
+  cudart.cudaProfilerStart()
+  for f in fns:
+    for _ in range(calls):
+      jax.block_until_ready(f(*args))
+  cudart.cudaProfilerStop()
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--shape', default='0',
@@ -51,17 +65,8 @@ def main():
   print('pallas config:', config or mosaic_gpu.select_config(m, n))
   a, b = matmul.operands(m, n, k, a_dtype)
   s = jnp.float32(1.0)
-  fns = [jax.jit(functools.partial(matmul.pallas, config=config)),
-         jax.jit(matmul.xla_precise)]
-  for f in fns:
-    for _ in range(3):
-      jax.block_until_ready(f(a, b, s))
-  cudart = _cudart()
-  cudart.cudaProfilerStart()
-  for f in fns:
-    for _ in range(args.calls):
-      jax.block_until_ready(f(a, b, s))
-  cudart.cudaProfilerStop()
+  profile_calls([jax.jit(functools.partial(matmul.pallas, config=config)),
+                 jax.jit(matmul.xla_precise)], (a, b, s), args.calls)
 
 
 if __name__ == '__main__':
