@@ -47,18 +47,23 @@ def run_for(f, args, seconds):
   return t0, time.time(), calls
 
 
-def measure(specs, repeats, seconds, configs=()):
-  """[(shape name, impl, start, end, FLOP/s)] of the alternating runs;
-  impl 'pallas' is select_config, 'pallas I' SWEEP config I."""
-  runs = []
+def pallas_impls(configs=()):
+  """[(label, jitted Pallas GEMM)]: 'pallas' is select_config, 'pallas I'
+  SWEEP config I."""
   pallas = [('pallas', None)] if not configs else [
       (f'pallas {i}', matmul.SWEEP[i]) for i in configs]
+  return [(label, jax.jit(functools.partial(matmul.pallas, config=cfg)))
+          for label, cfg in pallas]
+
+
+def measure(specs, repeats, seconds, impls):
+  """[(shape name, impl, start, end, FLOP/s)] of the alternating runs of
+  `impls` (label, f(a, b, s)) and cuBLASLt precise."""
+  runs = []
+  impls = [*impls, ('precise', jax.jit(matmul.xla_precise))]
   for name, m, n, k, a_dtype in map(matmul.parse_shape, specs):
     a, b = matmul.operands(m, n, k, a_dtype)
     s = jnp.float32(0.75)
-    impls = [(label, jax.jit(functools.partial(matmul.pallas, config=cfg)))
-             for label, cfg in pallas]
-    impls.append(('precise', jax.jit(matmul.xla_precise)))
     for _ in range(repeats):
       for label, f in impls:
         t0, t1, calls = run_for(f, (a, b, s), seconds)
@@ -67,23 +72,8 @@ def measure(specs, repeats, seconds, configs=()):
   return runs
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--shapes', default=DEFAULT_SHAPES,
-                 help="as matmul.py --shapes, or 'all' (default: 0,7,4)")
-  p.add_argument('--repeats', type=int, default=2,
-                 help='alternations of the impls per shape')
-  p.add_argument('--seconds', type=float, default=3.0,
-                 help='seconds per run')
-  p.add_argument('--configs', default='',
-                 help='SWEEP indices in matmul.py, each its own Pallas impl'
-                      ' (default: select_config)')
-  args = p.parse_args()
-  specs = (args.shapes.split(',') if args.shapes != 'all' else
-           [str(i) for i in range(len(matmul.SHAPES))])
-  print(f'# {jax.devices()[0].device_kind}, jax {jax.__version__},'
-        f' {time.strftime("%Y-%m-%d %H:%M:%S")}', flush=True)
-  matmul.global_warmup(2.0)
+def sampled(run):
+  """(run(), [(unix time, SM MHz, W)]): nvidia-smi samples every 50 ms."""
   # To a file: a pipe read only at the end fills up and stalls nvidia-smi.
   smi_path = os.path.join(os.environ.get('OUT', '.'), 'smi.csv')
   with open(smi_path, 'w') as smi_file:
@@ -92,20 +82,25 @@ def main():
          '--format=csv,noheader,nounits', '-lms', '50'], stdout=smi_file,
         text=True)
     try:
-      runs = measure(specs, args.repeats, args.seconds,
-                     [int(i) for i in args.configs.split(',') if i])
+      result = run()
       time.sleep(0.2)
     finally:
       smi.terminate()
       smi.wait()
   with open(smi_path) as f:
     lines = f.readlines()
-  samples = []  # (unix time, MHz, W)
+  samples = []
   for line in lines:
     stamp, mhz, watts = [x.strip() for x in line.split(',')]
     t = time.mktime(time.strptime(stamp.split('.')[0], '%Y/%m/%d %H:%M:%S'))
     t += float('0.' + stamp.split('.')[1]) if '.' in stamp else 0.0
     samples.append((t, float(mhz), float(watts)))
+  return result, samples
+
+
+def report(runs, samples):
+  """Prints each run's TFLOP/s, clock and power, then each impl's mean
+  TFLOP/s over cuBLASLt precise's per shape."""
   print('\n| GEMM | impl | TFLOP/s | SM MHz | W | TFLOP per 1e9 cycles |')
   print('|---|---|---|---|---|---|')
   for name, label, t0, t1, flops in runs:
@@ -137,6 +132,29 @@ def main():
     if len(llama) > 1:
       print(f'{label}: geomean over {len(llama)} shapes but 8192^3:'
             f' {statistics.geometric_mean(llama):.3f}')
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--shapes', default=DEFAULT_SHAPES,
+                 help="as matmul.py --shapes, or 'all' (default: 0,7,4)")
+  p.add_argument('--repeats', type=int, default=2,
+                 help='alternations of the impls per shape')
+  p.add_argument('--seconds', type=float, default=3.0,
+                 help='seconds per run')
+  p.add_argument('--configs', default='',
+                 help='SWEEP indices in matmul.py, each its own Pallas impl'
+                      ' (default: select_config)')
+  args = p.parse_args()
+  specs = (args.shapes.split(',') if args.shapes != 'all' else
+           [str(i) for i in range(len(matmul.SHAPES))])
+  print(f'# {jax.devices()[0].device_kind}, jax {jax.__version__},'
+        f' {time.strftime("%Y-%m-%d %H:%M:%S")}', flush=True)
+  matmul.global_warmup(2.0)
+  configs = [int(i) for i in args.configs.split(',') if i]
+  runs, samples = sampled(lambda: measure(
+      specs, args.repeats, args.seconds, pallas_impls(configs)))
+  report(runs, samples)
 
 
 if __name__ == '__main__':
