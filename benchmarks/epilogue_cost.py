@@ -165,8 +165,10 @@ VARIANTS = {
 GROUPS = 'ABM,ACD,ANS,AR,AEF,AH'  # each timed together, A first
 
 
-def _compiled(letter, args):
-  cfg, patches, checked = VARIANTS[letter]
+def _compiled(letter, args, variants=None):
+  """(jitted variant `letter` of `variants` (default VARIANTS), compiled
+  for args, and its max relative error, or None where unchecked)."""
+  cfg, patches, checked = (variants or VARIANTS)[letter]
   f = jax.jit(functools.partial(matmul.pallas, config=cfg))
   with _patched(patches):
     out = jax.block_until_ready(f(*args))

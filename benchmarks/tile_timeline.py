@@ -47,7 +47,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -256,12 +255,8 @@ def _keep_raw(dump):
 
 
 def _compiled(letter, args):
-  """Variant `letter` compiled without the profiler."""
-  cfg, patches, _ = VARIANTS[letter]
-  f = jax.jit(functools.partial(matmul.pallas, config=cfg))
-  with epilogue_cost._patched(patches):  # pylint: disable=protected-access
-    jax.block_until_ready(f(*args))
-  return f
+  """Variant `letter` of VARIANTS compiled without the profiler."""
+  return epilogue_cost._compiled(letter, args, VARIANTS)[0]  # pylint: disable=protected-access
 
 
 def _run_and_read(f, args, profile_dir):
@@ -278,8 +273,7 @@ def _run_and_read(f, args, profile_dir):
 
 def ranges(raw):
   """{(cta, wg): [(name, start, end)]} from a raw event buffer, in SM
-  cycles since the CTA's first event, and {cta: globaltimer ns at its
-  start (low 32 bits)}.
+  cycles since the CTA's first event.
 
   Each warpgroup's row is [start ns, SM id, entries used, (tag, %clock)
   pairs...]; a tag is a name id, with bit 31 set on exit.
@@ -287,7 +281,7 @@ def ranges(raw):
   buffer, names = raw
   unintern = {v: k for k, v in names.items()}
   exit_bit = 1 << 31
-  out, t0 = {}, {}
+  out = {}
   for cta in range(buffer.shape[0]):
     rows = buffer[cta].astype(np.int64)
     used = rows[:, 2]
@@ -295,7 +289,6 @@ def ranges(raw):
     if not firsts:
       continue
     origin = min(firsts)
-    t0[cta] = int(rows[0, 0])
     for wg in range(rows.shape[0]):
       pairs = rows[wg, 3:3 + used[wg]].reshape(-1, 2)
       stack, spans = [], []
@@ -308,7 +301,7 @@ def ranges(raw):
         else:
           stack.append((unintern[tag], t))
       out[(cta, wg)] = sorted(spans, key=lambda x: x[1])
-  return out, t0
+  return out
 
 
 def _tiles(spans):
@@ -332,7 +325,7 @@ def _tiles(spans):
 def summarize(raw, k_steps):
   """Medians in SM cycles over CTAs, compute warpgroups and the recorded
   tile boundaries (a tile's epilogue start to the next one's, and so on)."""
-  spans, _ = ranges(raw)
+  spans = ranges(raw)
   vals = collections.defaultdict(list)
   for cta in sorted({c for c, _ in spans}):
     per_wg = [_tiles(spans[(cta, wg)]) for wg in range(MEMORY_WG)
@@ -388,21 +381,15 @@ def summarize(raw, k_steps):
   return out
 
 
-def _warm(f, args, seconds):
-  jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  while time.perf_counter() - t0 < seconds:
-    jax.block_until_ready(f(*args))
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--variants', default='AB',
                  help='VARIANTS letters, each traced once')
   p.add_argument('--shapes', default='0', help='matmul.SHAPES indices or MxNxK')
-  p.add_argument('--scopes', default='issue,wait,load',
+  p.add_argument('--scopes', default='',
                  help='comma-separated SCOPES to record beside the epilogue'
-                 ' (each costs a few instructions where it runs)')
+                 ' (per-step ones slow the mainloop ~35%%: read only their'
+                 ' tile boundaries)')
   p.add_argument('--out', default=None,
                  help='folder for the raw event buffers (.npz)')
   p.add_argument('--perfetto', action='store_true',
@@ -434,7 +421,7 @@ def main():
                                       config=mosaic_gpu.THREE_WG_CONFIG))
     for letter in args.variants if not args.no_trace else ():
       f = _profiled(letter, operands, profile_dir, scopes)
-      _warm(plain, operands, 2.0)
+      matmul_power.run_for(plain, operands, 2.0)
       path, raw, out = _run_and_read(f, operands, profile_dir)
       err = (matmul.check_close(out, *operands) if VARIANTS[letter][2]
              else None)

@@ -75,7 +75,7 @@ def test_a_truncated_buffer_drops_the_open_range():
   profiling): a range whose exit is missing is not reported."""
   k_steps = 8
   buf = _buffer(1, k_steps, 3, 1000, capacity=3 + 4 * 30 + 2)
-  spans, _ = tile_timeline.ranges((buf, NAMES))
+  spans = tile_timeline.ranges((buf, NAMES))
   for wg in range(4):
     assert all(end >= start for _, start, end in spans[(0, wg)])
   assert len(spans[(0, 0)]) == 30
