@@ -391,6 +391,8 @@ SWEEP = [
     # early_release), and before them in the default (26).
     _three(early_release=False),
     C(block_k=256, split_k=2, early_release=True),
+    # THREE_WG_CONFIG draining between tiles (27: before overlap_tiles).
+    _three(overlap_tiles=False),
 ]
 
 

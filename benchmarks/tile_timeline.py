@@ -13,10 +13,11 @@ index and `setmaxnreg` (per-step scopes slow the mainloop; per-tile ones
 do not measurably).
 
 Variants: the letters of `epilogue_cost.VARIANTS` (A is THREE_WG_CONFIG,
-B the same without stores), P (A as jax's pipeline of pipelines,
-`pipeline_state` START / STEADY / STOP over a CTA's tiles, so the memory
-warpgroup loads the next tile without draining), and X, Y (A, P with the
-profiler's SMEM allocated and unused, for timing only).
+whose memory warpgroup loads the next tile's stages while the last tile
+finishes and whose compute warpgroups line up at each tile start; B is A
+without stores), O (A draining its pipeline between tiles, as before
+`overlap_tiles`), P (A without the line-up) and X (A with the profiler's
+SMEM allocated and unused, for timing only).
 
 Event buffers hold PROFILE_RANGES ranges per warpgroup (the SMEM the four
 stages leave); later events are dropped. Each variant's profiled call runs
@@ -25,12 +26,15 @@ medians in SM cycles over CTAs, compute warpgroups and recorded tiles (see
 `summarize`). The raw event buffers go to --out (.npz; with --perfetto
 also jax's Perfetto traces). --rounds and --sustained time the variants
 unprofiled: in mirrored rounds, and in runs of some seconds with the SM
-clock and the board power sampled (`matmul_power.py`).
+clock and the board power sampled (`matmul_power.py`). --steady traces
+each variant right after seconds of itself (see `steady`).
 
-  python3 benchmarks/tile_timeline.py --variants ABP --shapes 0,4 \
+  python3 benchmarks/tile_timeline.py --variants ABOP --shapes 0,4 \
       --scopes '' --rounds 9 --sustained 3 --out DIR
-  python3 benchmarks/tile_timeline.py --variants AP --shapes 0 \
+  python3 benchmarks/tile_timeline.py --variants AO --shapes 0 \
       --scopes issue,wait,load,setmaxnreg,snake
+  python3 benchmarks/tile_timeline.py --variants AOP --shapes 0 --no-trace \
+      --steady 3
 """
 
 import argparse
@@ -51,7 +55,6 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # pylint: disable=g-import-not-at-top
-from jax import lax
 from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
 from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -135,61 +138,6 @@ class _SnakeScopedPlgpu:
     return _scoped('snake', self._inner.planar_snake)(*args, **kwargs)
 
 
-_LOOP_INFO = []  # the tile loop's NDLoopInfo while its body is traced
-_PIPELINE_STATE = []  # the pipeline_state the next pipeline is built with
-
-
-class _StreamingPlgpu:
-  """`plgpu` whose tile loop exposes its NDLoopInfo and whose pipelines
-  take the `pipeline_state` in `_PIPELINE_STATE` (jax's pipeline of
-  pipelines: no drain between a CTA's tiles)."""
-
-  def __getattr__(self, name):
-    return getattr(plgpu, name)
-
-  def nd_loop(self, grid, **kwargs):
-    loop = plgpu.nd_loop(grid, **kwargs)
-
-    def decorate(body):
-      def traced(info, *rest):
-        _LOOP_INFO[:] = [info]
-        return body(info, *rest)
-      return loop(traced)
-    return decorate
-
-  def emit_pipeline_warp_specialized(self, *args, **kwargs):
-    if _PIPELINE_STATE:
-      kwargs['pipeline_state'] = _PIPELINE_STATE[0]
-    return plgpu.emit_pipeline_warp_specialized(*args, **kwargs)
-
-
-def _streamed_pipeline(body, context, **kwargs):
-  """`mosaic_gpu._pipeline` run as START on a CTA's first tile, STOP on its
-  last and STEADY between (a CTA needs two tiles or more)."""
-  make = functools.partial(_PIPELINE, body, context, **kwargs)
-  pipeline = make()
-
-  def run(*refs, allocations):
-    info = _LOOP_INFO[0]
-    last = info.num_local_steps - 1
-    which = jnp.where(info.local_index == 0, 0,
-                      jnp.where(info.local_index == last, 2, 1))
-
-    def branch(state):
-      def build():
-        _PIPELINE_STATE[:] = [state]
-        try:
-          make()(*refs, allocations=allocations)
-        finally:
-          _PIPELINE_STATE.clear()
-      return build
-    states = plgpu.PipelinePipeline
-    lax.switch(which, [branch(states.START), branch(states.STEADY),
-                       branch(states.STOP)])
-  run.get_allocations = pipeline.get_allocations
-  return run
-
-
 class _ExtraSmemPlgpu:
   """`plgpu` (or a stand-in) whose kernels allocate as much more SMEM as
   the profiler's event buffers take, unused: the profiled kernel's SMEM
@@ -209,21 +157,35 @@ class _ExtraSmemPlgpu:
         **kwargs)
 
 
-_PIPELINE = mosaic_gpu._pipeline  # pylint: disable=protected-access
-_STREAMED = {'plgpu': _StreamingPlgpu(), '_pipeline': _streamed_pipeline}
+THREE = mosaic_gpu.THREE_WG_CONFIG
 VARIANTS = {
     **epilogue_cost.VARIANTS,
-    'P': (mosaic_gpu.THREE_WG_CONFIG, _STREAMED, True),
-    # A and P with the profiler's SMEM allocated and unused.
-    'X': (mosaic_gpu.THREE_WG_CONFIG, {'plgpu': _ExtraSmemPlgpu(plgpu)}, True),
-    'Y': (mosaic_gpu.THREE_WG_CONFIG,
-          dict(_STREAMED, plgpu=_ExtraSmemPlgpu(_STREAMED['plgpu'])), True),
+    # A's tiles drained between (THREE_WG_CONFIG before overlap_tiles).
+    'O': (dataclasses.replace(THREE, overlap_tiles=False), {}, True),
+    # A without lining its compute warpgroups up at each tile start.
+    'P': (THREE, {'_line_up': lambda barrier: None}, True),
+    # A with the profiler's SMEM allocated and unused.
+    'X': (THREE, {'plgpu': _ExtraSmemPlgpu(plgpu)}, True),
 }
 
 
-def _profiled(letter, args, profile_dir, scopes):
+@contextlib.contextmanager
+def _no_dump():
+  """Kernels compiled inside record their events but never copy them to
+  the host: jax's lowering calls `jax.debug.callback` for the dump, and a
+  host callback after every call would stop back-to-back timing."""
+  callback = jax.debug.callback
+  jax.debug.callback = lambda *args, **kwargs: None
+  try:
+    yield
+  finally:
+    jax.debug.callback = callback
+
+
+def _profiled(letter, args, profile_dir, scopes, dump=True):
   """Variant `letter` of VARIANTS compiled with the profiler on and the
-  named scopes 'epilogue' and `scopes`, called once (a cold trace)."""
+  named scopes 'epilogue' and `scopes`, called once (a cold trace); with
+  dump=False the events stay on the device (`_no_dump`)."""
   cfg, patches, _ = VARIANTS[letter]
   patches = dict(patches)
   inner = patches.get('plgpu', plgpu)
@@ -236,7 +198,11 @@ def _profiled(letter, args, profile_dir, scopes):
                                               getattr(mosaic_gpu, attr)))
   f = jax.jit(functools.partial(matmul.pallas, config=cfg))
   with epilogue_cost._patched(patches), _jax_scopes(scopes):  # pylint: disable=protected-access
-    _run_and_read(f, args, profile_dir)
+    if dump:
+      _run_and_read(f, args, profile_dir)
+    else:
+      with _no_dump():
+        jax.block_until_ready(f(*args))
   return f
 
 
@@ -371,7 +337,11 @@ def summarize(raw, k_steps):
       for name, start, end in wg_spans:
         if name not in ('issue', 'wait', 'load', 'epilogue'):
           vals[f'{name}_{role}'].append(end - start)
-  out = {'ctas': len({c for c, _ in spans})}
+  out = {'ctas': len({c for c, _ in spans}),
+         # The slowest CTA, first event to last: the kernel less its launch.
+         'kernel_cycles': float(max(
+             max((end for _, _, end in wg_spans), default=0)
+             for wg_spans in spans.values()))}
   out.update({k: float(statistics.median(v)) for k, v in vals.items() if v})
   if 'boundary' in out:
     out['boundary_over_step'] = out['boundary'] - out['step_period']
@@ -379,6 +349,46 @@ def summarize(raw, k_steps):
       out['boundary_pct'] = (100 * out['boundary_over_step']
                              / out['tile_period'])
   return out
+
+
+def steady(letters, spec, seconds, repeats, profile_dir, scopes):
+  """Each variant's tile timeline at its own steady state, and what the
+  profiler costs it there.
+
+  Per variant, in `repeats` alternating rounds: the unprofiled kernel back
+  to back for `seconds`, the profiled one (events kept on the device) for
+  as long, then one profiled call whose events are read. Returns
+  (matmul_power runs, rows); a row is `summarize` of that call plus
+  'mhz_in_kernel', its kernel cycles over the profiled runs' time per call
+  (launch gaps included, so a lower bound on the SM clock the kernel saw),
+  and 'stray_dumps', traces the undumped kernels wrote (0 expected).
+  """
+  name, m, n, k, a_dtype = matmul.parse_shape(spec)
+  operands = (*matmul.operands(m, n, k, a_dtype), jnp.float32(0.75))
+  flops = 2.0 * m * n * k
+  k_steps = k // mosaic_gpu.THREE_WG_CONFIG.block_k
+  fns = {v: (_compiled(v, operands),
+             _profiled(v, operands, profile_dir, scopes, dump=False),
+             _profiled(v, operands, profile_dir, scopes)) for v in letters}
+  precise = jax.jit(matmul.xla_precise)
+  runs, rows = [], []
+  for _ in range(repeats):
+    for v in letters:
+      plain, quiet, loud = fns[v]
+      for label, f in ((v, plain), (f'{v} profiled', quiet)):
+        t0, t1, calls = matmul_power.run_for(f, operands, seconds)
+        runs.append((name, label, t0, t1, flops * calls / (t1 - t0)))
+      stray = len(glob.glob(os.path.join(profile_dir, '*.json')))
+      path, raw, _ = _run_and_read(loud, operands, profile_dir)
+      os.remove(path)
+      row = dict(shape=name, variant=f'{v} steady', **summarize(raw, k_steps))
+      row['mhz_in_kernel'] = row['kernel_cycles'] * calls / (t1 - t0) / 1e6
+      row['stray_dumps'] = stray
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+    t0, t1, calls = matmul_power.run_for(precise, operands, seconds)
+    runs.append((name, 'precise', t0, t1, flops * calls / (t1 - t0)))
+  return runs, rows
 
 
 def main():
@@ -401,6 +411,10 @@ def main():
                  help='also run each variant and cuBLASLt precise for this'
                  ' many seconds, twice, sampling clock and power'
                  ' (matmul_power.py)')
+  p.add_argument('--steady', type=float, default=0.0,
+                 help='also trace each variant after this many seconds of'
+                 ' itself, profiled and not, twice, with clock and power'
+                 ' (`steady`)')
   p.add_argument('--no-trace', action='store_true',
                  help='only time (--rounds, --sustained), trace nothing')
   args = p.parse_args()
@@ -450,6 +464,11 @@ def main():
         row['vs_precise'] = statistics.median(
             [tc / tv for tc, tv in zip(times[-1], t)])
         print(json.dumps(row), flush=True)
+    if args.steady:
+      (runs, steady_rows), samples = matmul_power.sampled(lambda: steady(
+          args.variants, spec, args.steady, 2, profile_dir, scopes))
+      rows += steady_rows
+      matmul_power.report(runs, samples)
     if args.sustained:
       impls = [(v, _compiled(v, operands)) for v in args.variants]
       matmul_power.report(*matmul_power.sampled(lambda: matmul_power.measure(

@@ -68,6 +68,8 @@ def test_summary_of_a_known_timeline(start_clock):
           - (20 + (t + 1) * k_steps * 800 + t * 300) for t in range(2)]
   assert out['next_load_vs_epilogue'] == np.median(lead)
   assert out['Init_compute'] == out['Init_memory'] == 20
+  # Warpgroup 2's last epilogue ends last: 14 cycles after warpgroup 0's.
+  assert out['kernel_cycles'] == 20 + 14 + tiles * (k_steps * 800 + 300)
 
 
 def test_a_truncated_buffer_drops_the_open_range():

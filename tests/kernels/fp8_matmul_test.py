@@ -243,11 +243,12 @@ MOSAIC_CONFIGS = [
     mosaic_gpu.Config(block_m=192, block_k=128, split_k=1, compute_wgs=3),
     mosaic_gpu.Config(early_release=True),
     dataclasses.replace(mosaic_gpu.THREE_WG_CONFIG, early_release=False),
+    dataclasses.replace(mosaic_gpu.THREE_WG_CONFIG, overlap_tiles=False),
 ]
 MOSAIC_IDS = ['default', 'chain', 'chain_overlap', 'chain_cluster2',
               'chain_k128', 'n144_tma_edges', 'n160_tma_edges',
               'three_wg_tma_edges', 'three_wg_padded', 'early_release',
-              'three_wg_late_release']
+              'three_wg_late_release', 'three_wg_drained']
 
 
 @pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
@@ -306,6 +307,22 @@ def test_mosaic_config_errors():
     mosaic_gpu.Config(block_m=192, compute_wgs=3).validate(1)  # split_k 2
   with pytest.raises(ValueError, match='early_release needs promote'):
     mosaic_gpu.Config(chain_tiles=True, early_release=True).validate(1)
+  for bad in (dict(chain_tiles=True), dict(cluster_m=2),
+              dict(promote=False, split_k=1)):
+    with pytest.raises(ValueError, match='overlap_tiles needs promote'):
+      mosaic_gpu.Config(overlap_tiles=True, **bad).validate(1)
+
+
+def test_overlapped_tiles_need_whole_rounds_of_stages():
+  """jax's pipeline of pipelines refills the stages in rounds, so only K
+  steps that divide by the stages (or fewer steps than stages) overlap."""
+  three = mosaic_gpu.THREE_WG_CONFIG
+  assert three.overlap_tiles
+  overlaps = lambda k_iters: mosaic_gpu.overlaps_tiles(three, k_iters, 4)
+  assert [k for k in range(1, 13) if overlaps(k)] == [1, 2, 3, 4, 8, 12]
+  assert overlaps(8192 // 128) and not overlaps(11008 // 128)
+  assert not mosaic_gpu.overlaps_tiles(
+      dataclasses.replace(three, overlap_tiles=False), 64, 4)
 
 
 def test_select_config_by_wave_efficiency():
@@ -406,11 +423,14 @@ def test_kernel_accuracy_vs_cublaslt_precise(implementation, a_dtype, b_dtype,
 @needs_hopper
 @pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
 @pytest.mark.parametrize('mnk', [(256, 256, 512), (2048, 1152, 1024),
-                                 (4224, 2176, 768), (656, 400, 272)])
+                                 (2688, 2304, 512), (4224, 2176, 768),
+                                 (4224, 2176, 2048), (656, 400, 272)])
 def test_mosaic_configs_exact_and_nan_stays_in_its_tile(config, mnk):
   """Exact on small integers with fewer, a few more and many more tiles than
-  CTAs (chained pipelines then carry the accumulator across tiles) and with
-  M, N, K that divide no tile; a NaN in one row of A poisons that row only."""
+  CTAs (chained pipelines then carry the accumulator across tiles,
+  overlapped ones their stages; THREE_WG_CONFIG's 4, 8, 4, 16 and 3 K steps
+  overlap, its 6 drain) and with M, N, K that divide no tile; a NaN in one
+  row of A poisons that row only."""
   m, n, k = mnk
   ka, kb = jax.random.split(jax.random.key(m + k))
   a = small_ints(ka, (m, k), E5M2)
