@@ -19,7 +19,8 @@ against the committed kernel A and cuBLASLt precise:
   N  A without the wait before the second chunk (a race; timing only)
   S  A's second chunk into a second 24 KiB buffer, without the wait
   R  A with that second buffer allocated and unused (208 KiB)
-  E  5 stages (so 4 chunks of 32 columns; 212 KiB)
+  E  5 stages (so 4 chunks of 32 columns; 212 KiB; its tiles drain, since
+     5 stages divide no K steps of the shapes here)
   F  E whose epilogue never stores
   H  A writing its registers straight to GMEM (st.global): no SMEM, no TMA
      store, no wait

@@ -157,7 +157,8 @@ DEFAULT_CONFIG = Config()
 # tiles are 5.3 waves of 132). Stages are released before the FP32 adds:
 # geomean over the Llama shapes +1.5% and +1.8% on two H100s, unchanged on
 # the H200 (for the two-warpgroup default it measured 2-4% slower). Tiles
-# overlap: +2.5% at 8192^3 and +2.9% at o fwd on an H100 (NOTES.md).
+# overlap: +2.5-4.6% at 8192^3 and +2.9-6.7% at o fwd on three H100s, 0.2%
+# and 2.5% on the H200 (NOTES.md, "Overlapped tiles").
 THREE_WG_CONFIG = Config(block_m=192, block_k=128, split_k=1, max_stages=4,
                          compute_wgs=3, pad_mn=False, early_release=True,
                          overlap_tiles=True)
