@@ -393,6 +393,10 @@ SWEEP = [
     C(block_k=256, split_k=2, early_release=True),
     # THREE_WG_CONFIG draining between tiles (27: before overlap_tiles).
     _three(overlap_tiles=False),
+    # Two warpgroups with overlapped tiles: K step 128 on 4 stages (28),
+    # releasing stages early (29).
+    C(block_k=128, split_k=1, overlap_tiles=True),
+    C(block_k=128, split_k=1, overlap_tiles=True, early_release=True),
 ]
 
 
