@@ -48,6 +48,7 @@ import json
 import os
 import statistics
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,13 +93,21 @@ def _store_chunks(chunks=2, wait=True, second_buffer=False):
 _SECOND_BUFFER = []  # the extra buffer of the kernel being traced
 
 
-class _SecondBufferPlgpu:
+class _PlgpuProxy:
+  """`plgpu`, or another proxy of it, with the methods a subclass defines
+  standing in for its own."""
+
+  def __init__(self, inner=plgpu):
+    self._inner = inner
+
+  def __getattr__(self, name):
+    return getattr(self._inner, name)
+
+
+class _SecondBufferPlgpu(_PlgpuProxy):
   """`plgpu` whose kernels get a second epilogue buffer shaped like the
   first as one more scratch ref, hidden from the body and held in
   `_SECOND_BUFFER` while it is traced."""
-
-  def __getattr__(self, name):
-    return getattr(plgpu, name)
 
   def kernel(self, body, *, scratch_types, **kwargs):
     first = scratch_types[0]
@@ -135,15 +144,12 @@ def _plan_cols(cols):
 
 
 @contextlib.contextmanager
-def _patched(attrs):
-  old = {k: getattr(mosaic_gpu, k) for k in attrs}
-  for k, v in attrs.items():
-    setattr(mosaic_gpu, k, v)
-  try:
+def _patched(attrs, module=mosaic_gpu):
+  """`module`'s attributes set to `attrs` ({name: value}) while inside."""
+  with contextlib.ExitStack() as stack:
+    for name, value in attrs.items():
+      stack.enter_context(mock.patch.object(module, name, value))
     yield
-  finally:
-    for k, v in old.items():
-      setattr(mosaic_gpu, k, v)
 
 
 THREE = mosaic_gpu.THREE_WG_CONFIG

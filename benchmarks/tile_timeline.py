@@ -39,7 +39,6 @@ each variant right after seconds of itself (see `steady`).
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import functools
 import glob
@@ -51,6 +50,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,15 +78,13 @@ def _scoped(name, fn):
   return wrapped
 
 
-class _ProfiledPlgpu:
+class _ProfiledPlgpu(epilogue_cost._PlgpuProxy):  # pylint: disable=protected-access
   """`plgpu` (or a variant's stand-in for it) whose kernels record their
   named scopes into `profile_dir`."""
 
   def __init__(self, inner, profile_dir):
-    self._inner, self._dir = inner, profile_dir
-
-  def __getattr__(self, name):
-    return getattr(self._inner, name)
+    super().__init__(inner)
+    self._dir = profile_dir
 
   def kernel(self, body, *, compiler_params, **kwargs):
     extra = dict(profile_space=PROFILE_RANGES, profile_dir=self._dir)
@@ -111,43 +109,25 @@ SCOPES = {
 }
 
 
-@contextlib.contextmanager
 def _jax_scopes(names):
-  """Named scopes around the jax primitives in `names` (see SCOPES)."""
-  old = {name: getattr(gpu_primitives, SCOPES[name][1]) for name in names
-         if SCOPES[name][0] is gpu_primitives}
-  for name, fn in old.items():
-    setattr(gpu_primitives, SCOPES[name][1], _scoped(name, fn))
-  try:
-    yield
-  finally:
-    for name, fn in old.items():
-      setattr(gpu_primitives, SCOPES[name][1], fn)
+  """Named scopes around the jax primitives in `names` (see SCOPES), while
+  inside."""
+  attrs = {SCOPES[n][1]: _scoped(n, getattr(gpu_primitives, SCOPES[n][1]))
+           for n in names if SCOPES[n][0] is gpu_primitives}
+  return epilogue_cost._patched(attrs, gpu_primitives)  # pylint: disable=protected-access
 
 
-class _SnakeScopedPlgpu:
+class _SnakeScopedPlgpu(epilogue_cost._PlgpuProxy):  # pylint: disable=protected-access
   """`plgpu` (or a stand-in) whose `planar_snake` records a 'snake' scope."""
-
-  def __init__(self, inner):
-    self._inner = inner
-
-  def __getattr__(self, name):
-    return getattr(self._inner, name)
 
   def planar_snake(self, *args, **kwargs):
     return _scoped('snake', self._inner.planar_snake)(*args, **kwargs)
 
 
-class _ExtraSmemPlgpu:
+class _ExtraSmemPlgpu(epilogue_cost._PlgpuProxy):  # pylint: disable=protected-access
   """`plgpu` (or a stand-in) whose kernels allocate as much more SMEM as
   the profiler's event buffers take, unused: the profiled kernel's SMEM
   footprint without the profiler."""
-
-  def __init__(self, inner):
-    self._inner = inner
-
-  def __getattr__(self, name):
-    return getattr(self._inner, name)
 
   def kernel(self, body, *, scratch_types, num_threads, **kwargs):
     nbytes = num_threads * PROFILE_RANGES * 16
@@ -165,21 +145,15 @@ VARIANTS = {
     # A without lining its compute warpgroups up at each tile start.
     'P': (THREE, {'_line_up': lambda barrier: None}, True),
     # A with the profiler's SMEM allocated and unused.
-    'X': (THREE, {'plgpu': _ExtraSmemPlgpu(plgpu)}, True),
+    'X': (THREE, {'plgpu': _ExtraSmemPlgpu()}, True),
 }
 
 
-@contextlib.contextmanager
 def _no_dump():
   """Kernels compiled inside record their events but never copy them to
   the host: jax's lowering calls `jax.debug.callback` for the dump, and a
   host callback after every call would stop back-to-back timing."""
-  callback = jax.debug.callback
-  jax.debug.callback = lambda *args, **kwargs: None
-  try:
-    yield
-  finally:
-    jax.debug.callback = callback
+  return mock.patch.object(jax.debug, 'callback', lambda *a, **k: None)
 
 
 def _profiled(letter, args, profile_dir, scopes, dump=True):
