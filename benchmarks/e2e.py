@@ -79,14 +79,20 @@ def parse_variant(spec: str) -> tuple[str, str, list[str]]:
   return name, mode, items
 
 
-def runs_from_args(modes: str, variants: list[str]) -> dict:
-  """{run name: (mode, overrides)} for --modes and --variants."""
+def runs_from_args(modes: str, variants: list[str],
+                   unrolled: bool = False) -> dict:
+  """{run name: (mode, overrides)} for --modes, --unrolled (<mode>_unrolled:
+  model.scan_layers=false for each coat_jax mode) and --variants."""
   runs = {}
   for mode in filter(None, modes.split(',')):
     if mode not in MODES:
       raise ValueError(f'--modes: {mode!r} is not one of {MODES}; use'
                        ' --variants name=mode:overrides for others.')
     runs[mode] = (mode, [])
+  if unrolled:
+    for mode in list(runs):
+      if mode != 'plain':
+        runs[f'{mode}_unrolled'] = (mode, ['model.scan_layers=false'])
   for spec in variants:
     name, mode, overrides = parse_variant(spec)
     if name in runs:
@@ -245,12 +251,18 @@ def describe(r: dict) -> str:
           f' {peak}, compile {r["compile_s"]:.0f} s, loss {r["loss"]:.3f}')
 
 
+class OutOfBudget(Exception):
+  """--budget-s would be exceeded by the next point."""
+
+
 class Sweep:
   """Runs points once each (reusing those in --out) and keeps the records."""
 
   def __init__(self, args):
     self.args = args
     self.records = {}
+    self.start = time.perf_counter()
+    self.walls = []
     if args.out and os.path.exists(args.out) and not args.fresh:
       for record in load_records(args.out):
         if record['status'] in ('ok', 'does not fit'):
@@ -266,8 +278,17 @@ class Sweep:
       print(f'  {name} batch {batch}: (from {a.out}) {describe(r)}',
             flush=True)
       return r
+    timeout = a.point_timeout
+    if a.budget_s:
+      left = a.budget_s - (time.perf_counter() - self.start)
+      expected = max(self.walls) if self.walls else 0.0
+      if left < max(expected, 30.0):
+        raise OutOfBudget(f'{left:.0f} s of --budget-s left, a point took'
+                          f' up to {expected:.0f} s')
+      timeout = min(timeout, left)
     print(f'  {name} batch {batch} ...', flush=True)
-    r = run_in_process(p, a.mem_fraction, a.point_timeout)
+    r = run_in_process(p, a.mem_fraction, timeout)
+    self.walls.append(r['wall_s'])
     print(f'  {name} batch {batch}: {describe(r)} ({r["wall_s"]:.0f} s)',
           flush=True)
     self.records[key] = r
@@ -336,6 +357,8 @@ def tables(records: list[dict], batches=None, largest_table=True) -> str:
           if profiled:
             row += f' {outside_gemm_attention(r)} |'
           out.append(row)
+    if profiled:
+      out.append(kernel_table([r for r in ok if r.get('kernel_ms')]))
     largest = {}
     for name in names:
       fit = [r for r in ok if r['name'] == name]
@@ -357,6 +380,24 @@ def tables(records: list[dict], batches=None, largest_table=True) -> str:
                    f' {_ratio(r["tokens_per_s"], base.get("tokens_per_s"))} |'
                    f' {_gib(r["peak_bytes"])} |')
   return '\n'.join(out)
+
+
+def kernel_table(records: list[dict]) -> str:
+  """GPU kernel ms per step by op class (step_profile.py's), per point."""
+  labels = list(dict.fromkeys(k for r in records for k in r['kernel_ms']))
+  lines = ['\nGPU kernel ms per step by op class (benchmarks/step_profile.py'
+           ' classes):\n',
+           '| op class | ' + ' | '.join(f'{r["name"]} b{r["batch"]}'
+                                      for r in records) + ' |',
+           '|---' * (len(records) + 1) + '|']
+  for label in labels:
+    lines.append(f'| {label} | ' + ' | '.join(
+        f'{r["kernel_ms"].get(label, 0.0):.1f}' for r in records) + ' |')
+  lines.append('| outside GEMM+attention | ' + ' | '.join(
+      outside_gemm_attention(r) for r in records) + ' |')
+  lines.append('| step (wall) | ' + ' | '.join(
+      f'{r["step_ms"]:.1f}' for r in records) + ' |')
+  return '\n'.join(lines)
 
 
 def outside_gemm_attention(r: dict) -> str:
@@ -397,6 +438,12 @@ def main(argv=None) -> int:
   parser.add_argument('--mem-fraction', type=float, default=0.97,
                       help='XLA_PYTHON_CLIENT_MEM_FRACTION of each point')
   parser.add_argument('--point-timeout', type=float, default=480)
+  parser.add_argument('--budget-s', type=float, default=0,
+                      help='start no point that might end after this many'
+                      ' seconds (0: no limit); --out keeps what was done')
+  parser.add_argument('--unrolled', action='store_true',
+                      help='also run each coat_jax mode with'
+                      ' model.scan_layers=false (<mode>_unrolled)')
   parser.add_argument('--profile', action='store_true',
                       help='GPU kernel ms by op class (step_profile.py)')
   parser.add_argument('--out', help='JSONL of the points (appended; points'
@@ -414,7 +461,7 @@ def main(argv=None) -> int:
     print(tables(load_records(args.report_only)))
     return 0
   try:
-    runs = runs_from_args(args.modes, args.variants)
+    runs = runs_from_args(args.modes, args.variants, args.unrolled)
   except ValueError as e:
     parser.error(str(e))
   preset = PRESETS[args.preset]
@@ -428,18 +475,23 @@ def main(argv=None) -> int:
         f' {batches}, runs {list(runs)}, {args.steps} timed steps per point,'
         f' XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction}', flush=True)
   sweep = Sweep(args)
-  for batch in batches:
-    for name, (mode, overrides) in runs.items():
-      sweep.run(name, mode, args.set + overrides, batch)
-  if args.max_batch:
-    for name, (mode, overrides) in runs.items():
-      print(f'largest batch of {name}:', flush=True)
-      best = search_max_batch(
-          lambda b, n=name, m=mode, o=args.set + overrides: sweep.run(
-              n, m, o, b)['status'] == 'ok',
-          max(batches), multiple=args.batch_multiple,
-          max_tries=args.max_tries)
-      print(f'  {name}: largest batch {best}', flush=True)
+  try:
+    for batch in batches:
+      for name, (mode, overrides) in runs.items():
+        sweep.run(name, mode, args.set + overrides, batch)
+    if args.max_batch:
+      for name, (mode, overrides) in runs.items():
+        print(f'largest batch of {name}:', flush=True)
+        best = search_max_batch(
+            lambda b, n=name, m=mode, o=args.set + overrides: sweep.run(
+                n, m, o, b)['status'] == 'ok',
+            max(batches), multiple=args.batch_multiple,
+            max_tries=args.max_tries)
+        print(f'  {name}: largest batch {best}', flush=True)
+  except OutOfBudget as e:
+    print(f'stopped before the next point: {e}. Rerun the same command'
+          + (f' (with --out {args.out})' if args.out else ' with --out')
+          + ' to go on from here.', flush=True)
   mine = [r for r in sweep.records.values()
           if (r['preset'], r['seq']) == (args.model, args.seq)]
   print(tables(mine, None if args.max_batch else set(batches),

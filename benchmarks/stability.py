@@ -128,8 +128,16 @@ def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
         f' XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} each', flush=True)
   running = []
   walls = []
-  while todo or running:
-    while todo and len(running) < args.parallel:
+  start_all = time.perf_counter()
+
+  def in_budget():
+    if not args.budget_s:
+      return True
+    elapsed = time.perf_counter() - start_all
+    return elapsed + (max(walls) if walls else 0.0) <= args.budget_s
+
+  while (todo and in_budget()) or running:
+    while todo and len(running) < args.parallel and in_budget():
       name, mode, overrides, lr, seed, run_dir = todo.pop(0)
       shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run
       os.makedirs(run_dir)
@@ -156,14 +164,18 @@ def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
       with open(os.path.join(run_dir, META), 'w') as f:
         json.dump(dict(meta, returncode=proc.returncode, wall_s=wall), f)
       run = read_run(run_dir)
-      status = ('ok' if proc.returncode == 0 else
+      status = ('ok' if is_finished(run) else
                 f'FAILED (exit {proc.returncode}, see {run_dir}/train.log)')
       print(f'  {os.path.basename(run_dir)}: {status}, final val loss'
             f' {run["final_val"]:.4f}, {run["steps_per_s"]:.1f} steps/s,'
             f' {wall:.0f} s wall (imports, compile and evals included)',
             flush=True)
+  if todo:
+    print(f'stopped: --budget-s {args.budget_s:.0f} would be exceeded by'
+          f' the next run; {len(todo)} runs left. Rerun the same command'
+          ' (same --out-dir) to go on.', flush=True)
   if walls:
-    per_run = statistics.median(walls)
+    per_run = max(statistics.median(walls), 1.0)
     print(f'\nsizing: a run takes ~{per_run:.0f} s wall at --parallel'
           f' {args.parallel}; a 540 s call fits ~'
           f'{int(540 // per_run) * args.parallel} runs', flush=True)
@@ -263,7 +275,8 @@ def plot(runs: list[dict], variants: list[str], lrs: list[float],
         lo, hi = values[0], values[int(0.95 * (len(values) - 1))]
         ax.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.1 * (hi - lo + 1e-3))
     axes[1][col].set_xlabel('step')
-  axes[0][0].legend(fontsize=7)
+  if axes[0][0].get_legend_handles_labels()[0]:
+    axes[0][0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -291,6 +304,9 @@ def main(argv=None) -> int:
                       metavar='SECTION.FIELD=VALUE',
                       help='overrides for every run, before the variant\'s')
   parser.add_argument('--parallel', type=int, default=4)
+  parser.add_argument('--budget-s', type=float, default=0,
+                      help='start no run that might end after this many'
+                      ' seconds (0: no limit)')
   parser.add_argument('--fresh', action='store_true',
                       help='rerun runs already finished in --out-dir')
   parser.add_argument('--report-only', metavar='DIR',

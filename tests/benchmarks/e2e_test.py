@@ -73,7 +73,8 @@ def _record(name, batch, status='ok', tok=1000.0, peak=2**30):
   return dict(name=name, mode=name, preset='1b', seq=2048, batch=batch,
               overrides=[], profile=False, mem_fraction=0.97, status=status,
               device='H200', jax='0.11', tokens_per_s=tok, model_tflops=1.0,
-              peak_bytes=peak, compile_s=1.0, step_ms=1.0, error='OOM')
+              peak_bytes=peak, compile_s=1.0, step_ms=1.0, loss=2.0,
+              error='OOM')
 
 
 def test_tables_ratios_and_largest_batch():
@@ -122,3 +123,46 @@ def test_tiny_sweep_in_processes_then_reused(tmp_path, capsys):
   assert len(e2e.load_records(out)) == 4
   assert json.loads(out.read_text().splitlines()[-1])['overrides'] == [
       'model.num_layers=1', 'model.precision=fp17']
+
+
+def test_unrolled_adds_a_run_per_coat_jax_mode():
+  assert e2e.runs_from_args('plain,bf16,coat', [], unrolled=True) == {
+      'plain': ('plain', []), 'bf16': ('bf16', []), 'coat': ('coat', []),
+      'bf16_unrolled': ('bf16', ['model.scan_layers=false']),
+      'coat_unrolled': ('coat', ['model.scan_layers=false'])}
+
+
+def test_budget_stops_before_a_point_that_would_not_end_in_time(
+    monkeypatch, tmp_path, capsys):
+  clock = [0.0]
+  calls = []
+
+  def fake_run(p, mem_fraction, timeout):
+    calls.append((p['name'], p['batch'], timeout))
+    clock[0] += 40.0
+    return {**p, **_record(p['name'], p['batch']), 'wall_s': 40.0}
+
+  monkeypatch.setattr(e2e, 'run_in_process', fake_run)
+  monkeypatch.setattr(e2e.time, 'perf_counter', lambda: clock[0])
+  out = tmp_path / 'e2e.jsonl'
+  argv = ['--preset', '1b', '--modes', 'plain,coat', '--budget-s', '100',
+          '--out', str(out)]
+  assert e2e.main(argv) == 0
+  # 100 s: two 40 s points; the third (20 s left < 40 s) is not started.
+  assert calls == [('plain', 8, 100.0), ('coat', 8, 60.0)]
+  assert 'stopped before the next point' in capsys.readouterr().out
+  clock[0] = 0.0
+  assert e2e.main(argv) == 0  # goes on from the file
+  assert [c[:2] for c in calls[2:]] == [('plain', 16), ('coat', 16)]
+  assert '| coat | 16 | 1,000 | 1.00x |' in capsys.readouterr().out
+
+
+def test_profiled_points_get_the_kernel_class_table():
+  r = _record('coat', 8)
+  r['kernel_ms'] = {'fp8 gemm': 75.0, 'attention': 34.0, 'gemm': 13.0,
+                    'reduce': 22.0, 'fusion (elementwise)': 26.5}
+  text = e2e.tables([_record('plain', 8), r])
+  assert '| outside GEMM+attention | 48.5 |' in text
+  assert '| reduce | 22.0 |' in text
+  assert '| coat | 8 | 1,000 | 1.00x | 1.0 | 1.0 | 1.00x | 1 | 1.0 | 48.5 |'\
+      in text

@@ -95,3 +95,40 @@ def test_tiny_runs_in_parallel_then_kept(tmp_path, capsys):
   assert '1 runs to go' in text  # the failed one again
   with pytest.raises(SystemExit):
     stability.main(argv[:-4] + ['--only', 'nope'])
+
+
+def test_budget_stops_starting_runs(monkeypatch, tmp_path, capsys):
+  clock = [0.0]
+  started = []
+
+  class FakeProcess:
+    returncode = 0
+
+    def __init__(self, cmd, **kwargs):
+      started.append(cmd[cmd.index('--set') + 1:])
+
+    def poll(self):
+      clock[0] += 40.0
+      return 0
+
+  monkeypatch.setattr(stability.subprocess, 'Popen', FakeProcess)
+  monkeypatch.setattr(stability.time, 'perf_counter', lambda: clock[0])
+  monkeypatch.setattr(stability.time, 'sleep', lambda s: None)
+  argv = ['--out-dir', str(tmp_path), '--parallel', '1', '--budget-s', '100',
+          '--lrs', '1e-3,1e-2', '--seeds', '0', '--only', 'coat']
+  assert stability.main(argv) == 0
+  # The first run ends at 40 s, the second at 80 s; a third would end at 120.
+  assert len(started) == 2
+  assert 'optim.learning_rate=0.001' in started[0]
+  assert {'model.precision=coat', 'optim.name=coat_adamw', 'data.seq_len=512',
+          'train.batch_size=16', 'train.steps=800'} <= set(started[1])
+  text = capsys.readouterr().out
+  assert 'stopped' not in text  # two runs were all there was
+  argv[argv.index('--lrs') + 1] = '1e-3,3e-3,1e-2'
+  argv[argv.index('--budget-s') + 1] = '50'
+  clock[0] = 0.0
+  assert stability.main(argv) == 0
+  # No metrics were written, so nothing finished: the first run restarts,
+  # and the budget stops the rest.
+  assert len(started) == 3
+  assert 'stopped: --budget-s 50 would be exceeded' in capsys.readouterr().out
