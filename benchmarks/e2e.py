@@ -103,8 +103,10 @@ def runs_from_args(modes: str, variants: list[str],
 
 
 def point_key(p: dict) -> str:
+  """What makes a point: a record with the same key is reused."""
   return json.dumps([p['name'], p['mode'], p['preset'], p['seq'],
-                     p['batch'], p['overrides'], p['profile']])
+                     p['batch'], p['overrides'], p['profile'], p['steps'],
+                     p['mem_fraction']])
 
 
 def model_flops(cfg, batch: int, seq: int) -> float:
@@ -192,15 +194,15 @@ def run_point(p: dict) -> dict:
 # ---------------------------------------------------------------- the sweep
 
 
-def run_in_process(p: dict, mem_fraction: float, timeout: float) -> dict:
+def run_in_process(p: dict, timeout: float) -> dict:
   """Runs one point in a child process; never raises for the point's
   failure (status 'does not fit', 'failed' or 'timeout')."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(mem_fraction),
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(p['mem_fraction']),
              PYTHONPATH=os.pathsep.join(
                  filter(None, [root, os.environ.get('PYTHONPATH')])))
   cmd = [sys.executable, os.path.abspath(__file__), '--point', json.dumps(p)]
-  record = dict(p, mem_fraction=mem_fraction)
+  record = dict(p)
   start = time.perf_counter()
   try:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -271,7 +273,8 @@ class Sweep:
   def run(self, name: str, mode: str, overrides: list[str], batch: int):
     a = self.args
     p = dict(name=name, mode=mode, preset=a.model, seq=a.seq, batch=batch,
-             overrides=overrides, steps=a.steps, profile=a.profile)
+             overrides=overrides, steps=a.steps, profile=a.profile,
+             mem_fraction=a.mem_fraction)
     key = point_key(p)
     if key in self.records:
       r = self.records[key]
@@ -287,7 +290,7 @@ class Sweep:
                           f' up to {expected:.0f} s')
       timeout = min(timeout, left)
     print(f'  {name} batch {batch} ...', flush=True)
-    r = run_in_process(p, a.mem_fraction, timeout)
+    r = run_in_process(p, timeout)
     self.walls.append(r['wall_s'])
     print(f'  {name} batch {batch}: {describe(r)} ({r["wall_s"]:.0f} s)',
           flush=True)

@@ -71,7 +71,8 @@ def test_model_flops_is_six_matmul_params_plus_causal_attention(preset):
 
 def _record(name, batch, status='ok', tok=1000.0, peak=2**30):
   return dict(name=name, mode=name, preset='1b', seq=2048, batch=batch,
-              overrides=[], profile=False, mem_fraction=0.97, status=status,
+              overrides=[], profile=False, mem_fraction=0.97, steps=10,
+              status=status,
               device='H200', jax='0.11', tokens_per_s=tok, model_tflops=1.0,
               peak_bytes=peak, compile_s=1.0, step_ms=1.0, loss=2.0,
               error='OOM')
@@ -137,7 +138,7 @@ def test_budget_stops_before_a_point_that_would_not_end_in_time(
   clock = [0.0]
   calls = []
 
-  def fake_run(p, mem_fraction, timeout):
+  def fake_run(p, timeout):
     calls.append((p['name'], p['batch'], timeout))
     clock[0] += 40.0
     return {**p, **_record(p['name'], p['batch']), 'wall_s': 40.0}
