@@ -77,3 +77,15 @@ def test_train_step_lowers_loss_and_donates():
     losses.append(float(metrics['loss']))
   assert jax.tree.leaves(old['params'])[0].is_deleted()
   assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.gpu
+def test_attention_is_cudnn_flash_attention_on_gpu():
+  """The baseline must not fall back to XLA attention (it would be slow)."""
+  cfg = models.LlamaConfig.preset('tiny', hidden_size=256, num_heads=4,
+                                  num_kv_heads=2, intermediate_size=512)
+  init_state, step = plain_llama.build(cfg)
+  tokens = jax.random.randint(jax.random.key(0), (2, 129), 0, cfg.vocab_size)
+  hlo = step.lower(init_state(), tokens[:, :-1], tokens[:, 1:]).compile(
+  ).as_text()
+  assert 'cudnn$fmha' in hlo
