@@ -17,10 +17,11 @@ and variants `name=mode:section.field=value,...` (the overrides go through
 Every point runs on one device. Per point: tokens/s from the median step
 time (>= 2 s of warm-up, then --steps timed steps, each blocked on), model
 TFLOP/s, peak device memory (`memory_stats()['peak_bytes_in_use']`),
-compile time. Each process runs
-with XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction (default 0.97: XLA may
-use almost all of the GPU; jax's own default is 0.75). Tokens are random
-(speed does not depend on them); no corpus is read.
+compile time, and with --profile the GPU kernel time per op class
+(benchmarks/step_profile.py's classifier). Each process runs with
+XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction (default 0.97: XLA may use
+almost all of the GPU; jax's own default is 0.75). Tokens are random (speed
+does not depend on them); no corpus is read.
 
 Model FLOPs per step = 6 * N * B * S + 6 * L * B * S^2 * H, with N the
 matmul params (the layers' projections and the LM head, not the embedding
@@ -30,12 +31,13 @@ PV, 4 * B * S^2 * H per layer forward, halved by the mask, x3 for
 forward + backward).
 
   PYTHONPATH=. python benchmarks/e2e.py --preset 1b --modes plain,bf16,coat \\
-      --variants coat_unrolled=coat:model.scan_layers=false
+      --unrolled --variants coat_block=coat:model.scaling=block
   PYTHONPATH=. python benchmarks/e2e.py --preset llama2_7b \\
-      --modes plain,coat --max-batch --out e2e_7b.jsonl
+      --modes plain,coat --max-batch --budget-s 540 --out runs/e2e_7b.jsonl
 
 With --out, points already in the file are reused (rerun the same command
-in a later call to continue a sweep); --report-only FILE prints the tables.
+in a later call to continue a sweep; --budget-s ends a call in time);
+--report-only FILE prints the tables.
 """
 
 import argparse
@@ -461,7 +463,8 @@ def main(argv=None) -> int:
     print(RESULT + json.dumps(run_point(json.loads(args.point))), flush=True)
     return 0
   if args.report_only:
-    print(tables(load_records(args.report_only)))
+    latest = {point_key(r): r for r in load_records(args.report_only)}
+    print(tables(list(latest.values())))
     return 0
   try:
     runs = runs_from_args(args.modes, args.variants, args.unrolled)

@@ -167,3 +167,13 @@ def test_profiled_points_get_the_kernel_class_table():
   assert '| reduce | 22.0 |' in text
   assert '| coat | 8 | 1,000 | 1.00x | 1.0 | 1.0 | 1.00x | 1 | 1.0 | 48.5 |'\
       in text
+
+
+def test_report_only_shows_the_latest_record_of_a_point(tmp_path, capsys):
+  out = tmp_path / 'e2e.jsonl'
+  out.write_text('\n'.join(json.dumps(r) for r in [
+      _record('coat', 4, 'failed'), _record('coat', 4, tok=3000.0),
+      _record('plain', 4)]) + '\n')
+  assert e2e.main(['--report-only', str(out)]) == 0
+  text = capsys.readouterr().out
+  assert '| coat | 4 | 3,000 | 3.00x |' in text and 'failed' not in text
