@@ -97,15 +97,25 @@ def read_run(run_dir: str) -> dict | None:
           train.append((r['step'], r['loss']))
           rates.append(r['tokens_per_s'] / (run['batch'] * run['seq']))
           nonfinite = r['nonfinite_steps']
-  final = val[-1][1] if val and val[-1][0] == run['steps'] else math.nan
-  return dict(run, train=train, val=val, final_val=final,
+  evaluated = bool(val) and val[-1][0] == run['steps']
+  return dict(run, train=train, val=val, evaluated=evaluated,
+              final_val=val[-1][1] if evaluated else math.nan,
               nonfinite_steps=nonfinite,
               steps_per_s=statistics.median(rates[1:] or rates or [math.nan]))
 
 
 def is_finished(run: dict | None) -> bool:
-  return bool(run) and run.get('returncode') == 0 and math.isfinite(
-      run['final_val'])
+  """Exited cleanly after evaluating its last step (a diverged run with a
+  nan loss is finished too: that is its result)."""
+  return bool(run) and run.get('returncode') == 0 and run['evaluated']
+
+
+def run_meta(args, name, mode, overrides, lr, seed) -> dict:
+  """What a run dir's stability_run.json records before the outcome."""
+  return dict(variant=name, mode=mode, overrides=overrides, lr=lr, seed=seed,
+              steps=args.steps, seq=args.seq, batch=args.batch,
+              config=args.config, set=args.set, eval_every=args.eval_every,
+              eval_batches=args.eval_batches)
 
 
 def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
@@ -115,11 +125,19 @@ def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
     for lr in lrs:
       for seed in seeds:
         run_dir = os.path.join(args.out_dir, run_name(name, lr, seed))
-        if is_finished(read_run(run_dir)) and not args.fresh:
-          print(f'  {run_name(name, lr, seed)}: finished before, kept',
-                flush=True)
-          continue
-        todo.append((name, mode, overrides, lr, seed, run_dir))
+        meta = run_meta(args, name, mode, overrides, lr, seed)
+        old = read_run(run_dir)
+        if old and not args.fresh:
+          changed = sorted(k for k in meta if old.get(k) != meta[k])
+          if changed:
+            raise ValueError(
+                f'{run_dir} holds a run with other settings ({changed});'
+                ' pass another --out-dir, or --fresh to replace it.')
+          if is_finished(old):
+            print(f'  {run_name(name, lr, seed)}: finished before, kept',
+                  flush=True)
+            continue
+        todo.append((meta, run_dir))
   env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(
       round(0.9 / args.parallel, 4)), PYTHONPATH=os.pathsep.join(
           filter(None, [ROOT, os.environ.get('PYTHONPATH')])))
@@ -138,13 +156,12 @@ def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
 
   while (todo and in_budget()) or running:
     while todo and len(running) < args.parallel and in_budget():
-      name, mode, overrides, lr, seed, run_dir = todo.pop(0)
-      shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run
+      meta, run_dir = todo.pop(0)
+      # Unfinished (or --fresh): train.py would append to its metrics.
+      shutil.rmtree(run_dir, ignore_errors=True)
       os.makedirs(run_dir)
-      meta = dict(variant=name, mode=mode, overrides=overrides, lr=lr,
-                  seed=seed, steps=args.steps, seq=args.seq,
-                  batch=args.batch, config=args.config, set=args.set)
-      cmd = train_command(args, mode, overrides, lr, seed, run_dir)
+      cmd = train_command(args, meta['mode'], meta['overrides'], meta['lr'],
+                          meta['seed'], run_dir)
       log = open(os.path.join(run_dir, 'train.log'), 'w')
       log.write('$ ' + ' '.join(cmd) + '\n')
       log.flush()
@@ -335,7 +352,10 @@ def main(argv=None) -> int:
         f' {args.steps} steps, lrs {lrs}, seeds {seeds}, variants'
         f' {list(variants)}, into {args.out_dir}', flush=True)
   os.makedirs(args.out_dir, exist_ok=True)
-  run_all(args, variants, lrs, seeds)
+  try:
+    run_all(args, variants, lrs, seeds)
+  except ValueError as e:
+    parser.error(str(e))
   print(report(args.out_dir))
   return 0
 

@@ -69,6 +69,9 @@ def test_unfinished_runs_are_not_finished(tmp_path):
       _fake_run(str(tmp_path), 'coat', 1e-3, 0, 2.0, returncode=1))
   assert not stability.is_finished(failed)
   assert stability.read_run(str(tmp_path / 'nothing')) is None
+  diverged = stability.read_run(
+      _fake_run(str(tmp_path), 'coat', 1e-2, 0, math.nan))
+  assert stability.is_finished(diverged)  # nan is its result
 
 
 def test_tiny_runs_in_parallel_then_kept(tmp_path, capsys):
@@ -132,3 +135,8 @@ def test_budget_stops_starting_runs(monkeypatch, tmp_path, capsys):
   # and the budget stops the rest.
   assert len(started) == 3
   assert 'stopped: --budget-s 50 would be exceeded' in capsys.readouterr().out
+  with pytest.raises(SystemExit):  # the same run dirs, other settings
+    stability.main(argv + ['--steps', '900'])
+  assert 'holds a run with other settings ([\'steps\'])' in (
+      capsys.readouterr().err)
+  assert len(started) == 3
