@@ -1,0 +1,509 @@
+"""End-to-end train step speed and memory: coat_jax's modes vs plain BF16.
+
+Each point (mode, batch) runs in its own process (this script re-invoked
+with --point), so peak memory is per point and an out-of-memory point is
+recorded as 'does not fit' while the sweep goes on. Modes:
+
+  plain       benchmarks/plain_llama.py: Flax NNX + optax BF16, unrolled,
+              cuDNN attention (the baseline; same architecture and FLOPs)
+  bf16, fp8_linear, coat
+              train.py's jitted step (`coat_jax.training.build`) with the
+              overrides of benchmarks/train_modes.py (bf16 and fp8_linear
+              with optax.adamw, coat with coat_adamw)
+
+and variants `name=mode:section.field=value,...` (the overrides go through
+`coat_jax.training.apply_overrides`, e.g. model.scan_layers=false).
+
+Every point runs on one device. Per point: tokens/s from the median step
+time (>= 2 s of warm-up, then --steps timed steps, each blocked on), model
+TFLOP/s, peak device memory (`memory_stats()['peak_bytes_in_use']`),
+compile time, and with --profile the GPU kernel time per op class
+(benchmarks/step_profile.py's classifier). Each process runs with
+XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction (default 0.97: XLA may use
+almost all of the GPU; jax's own default is 0.75). Tokens are random (speed
+does not depend on them); no corpus is read.
+
+Model FLOPs per step = 6 * N * B * S + 6 * L * B * S^2 * H, with N the
+matmul params (the layers' projections and the LM head, not the embedding
+lookup), B batch, S sequence, L layers, H = heads * head_dim: the first term
+is forward + backward of the matmuls, the second causal attention (QK^T and
+PV, 4 * B * S^2 * H per layer forward, halved by the mask, x3 for
+forward + backward).
+
+  PYTHONPATH=. python benchmarks/e2e.py --preset 1b --modes plain,bf16,coat \\
+      --unrolled --variants coat_block=coat:model.scaling=block
+  PYTHONPATH=. python benchmarks/e2e.py --preset llama2_7b \\
+      --modes plain,coat --max-batch --budget-s 540 --out runs/e2e_7b.jsonl
+
+With --out, points already in the file are reused (rerun the same command
+in a later call to continue a sweep; --budget-s ends a call in time);
+--report-only FILE prints the tables.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+# The parent process never imports jax: on a GPU it would take the memory
+# that the point processes need.
+
+PRESETS = {
+    'tiny': dict(model='tiny', seq=64, batches=(2,)),  # CPU smoke tests
+    '1b': dict(model='1b', seq=2048, batches=(8, 16)),
+    'llama2_7b': dict(model='llama2_7b', seq=2048, batches=(4,)),
+    'llama2_7b_16k': dict(model='llama2_7b', seq=16384, batches=(1,)),
+}
+MODES = ('plain', 'bf16', 'fp8_linear', 'coat')
+RESULT = 'E2E_RESULT '
+OOM = re.compile(r'RESOURCE_EXHAUSTED|out of memory|OutOfMemory|'
+                 r'Allocator .* ran out', re.IGNORECASE)
+
+
+def parse_variant(spec: str) -> tuple[str, str, list[str]]:
+  """'name=mode:a.b=1,c.d=x,y' -> ('name', 'mode', ['a.b=1', 'c.d=x,y']).
+
+  Commas split overrides only before `section.field=`, so tuple values
+  (optim.moment_dtypes=e4m3,e4m3) survive.
+  """
+  name, sep, rest = spec.partition('=')
+  mode, _, overrides = rest.partition(':')
+  if not sep or not name or mode not in MODES:
+    raise ValueError(f'--variants {spec!r}: expected name=mode:overrides'
+                     f' with mode one of {MODES} (e.g.'
+                     ' coat_unrolled=coat:model.scan_layers=false).')
+  items = re.split(r',(?=[A-Za-z_]\w*\.\w+=)', overrides) if overrides else []
+  return name, mode, items
+
+
+def runs_from_args(modes: str, variants: list[str],
+                   unrolled: bool = False) -> dict:
+  """{run name: (mode, overrides)} for --modes, --unrolled (<mode>_unrolled:
+  model.scan_layers=false for each coat_jax mode) and --variants."""
+  runs = {}
+  for mode in filter(None, modes.split(',')):
+    if mode not in MODES:
+      raise ValueError(f'--modes: {mode!r} is not one of {MODES}; use'
+                       ' --variants name=mode:overrides for others.')
+    runs[mode] = (mode, [])
+  if unrolled:
+    for mode in list(runs):
+      if mode != 'plain':
+        runs[f'{mode}_unrolled'] = (mode, ['model.scan_layers=false'])
+  for spec in variants:
+    name, mode, overrides = parse_variant(spec)
+    if name in runs:
+      raise ValueError(f'--variants: the name {name!r} is taken; pick'
+                       ' another.')
+    runs[name] = (mode, overrides)
+  return runs
+
+
+def point_key(p: dict) -> str:
+  """What makes a point: a record with the same key is reused."""
+  return json.dumps([p['name'], p['mode'], p['preset'], p['seq'],
+                     p['batch'], p['overrides'], p['profile'], p['steps'],
+                     p['mem_fraction']])
+
+
+def model_flops(cfg, batch: int, seq: int) -> float:
+  """Model FLOPs of one train step (see the module docstring)."""
+  h, d = cfg.hidden_size, cfg.head_dim
+  per_layer = (h * cfg.num_heads * d * 2 + h * cfg.num_kv_heads * d * 2
+               + 3 * h * cfg.intermediate_size)
+  n = cfg.num_layers * per_layer + h * cfg.vocab_size
+  attention = 6 * cfg.num_layers * batch * seq**2 * cfg.num_heads * d
+  return 6 * n * batch * seq + attention
+
+
+# ---------------------------------------------------------------- the point
+
+
+def run_point(p: dict) -> dict:
+  """Builds, compiles and times one point in this process; returns metrics."""
+  import jax  # noqa: PLC0415 (see the note at the imports)
+  import numpy as np  # noqa: PLC0415
+
+  from benchmarks import plain_llama  # noqa: PLC0415
+  from benchmarks import step_profile  # noqa: PLC0415
+  from benchmarks import train_modes  # noqa: PLC0415
+  from coat_jax import training  # noqa: PLC0415
+  from coat_jax.models import LlamaConfig  # noqa: PLC0415
+  from coat_jax.training import sharding  # noqa: PLC0415
+  from coat_jax.training import trainer  # noqa: PLC0415
+
+  overrides = [f'model.preset={p["preset"]}', f'data.seq_len={p["seq"]}',
+               f'train.batch_size={p["batch"]}', 'train.checkpoint_every=0']
+  if p['seq'] > LlamaConfig.preset(p['preset']).max_seq_len:
+    overrides.append(f'model.max_seq_len={p["seq"]}')
+  if p['mode'] != 'plain':
+    overrides += train_modes.MODES[p['mode']]
+  config = training.apply_overrides(training.Config(),
+                                    overrides + p['overrides'])
+  cfg = trainer.llama_config(config.model)
+  tokens = np.random.default_rng(0).integers(
+      0, cfg.vocab_size, (p['batch'], p['seq'] + 1), dtype=np.int32)
+  if p['mode'] == 'plain':
+    init_state, step = plain_llama.build(cfg)
+    batch = [jax.device_put(x) for x in (tokens[:, :-1], tokens[:, 1:])]
+    context = contextlib.nullcontext()
+  else:
+    setup = training.build(config, jax.devices()[:1])  # as plain
+    init_state, step = setup.init_state, setup.train_step
+    batch_sharding = sharding.batch_sharding(setup.mesh)
+    batch = [trainer.device_batch(x, batch_sharding)
+             for x in (tokens[:, :-1], tokens[:, 1:])]
+    context = jax.set_mesh(setup.mesh)
+  with context:
+    state = jax.block_until_ready(init_state())
+    start = time.perf_counter()
+    compiled = step.lower(state, *batch).compile()
+    compile_s = time.perf_counter() - start
+    seconds, state = step_profile.step_times(compiled, state, batch,
+                                             p['steps'])
+    state, metrics = compiled(state, *batch)
+    loss = float(metrics['loss'])
+    kernel_ms = None
+    if p['profile']:
+      trace_dir = tempfile.mkdtemp(prefix='e2e_profile_')
+      with jax.profiler.trace(trace_dir):
+        for _ in range(3):
+          state, metrics = compiled(state, *batch)
+        jax.block_until_ready(metrics)
+      kernel_ms = {}
+      for name, ms in step_profile.kernel_totals(trace_dir, 3).items():
+        label = step_profile.classify(name)
+        kernel_ms[label] = kernel_ms.get(label, 0.0) + ms
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  tokens_per_step = p['batch'] * p['seq']
+  flops = model_flops(cfg, p['batch'], p['seq'])
+  return dict(
+      device=device.device_kind, jax=jax.__version__,
+      step_ms=seconds * 1e3, tokens_per_s=tokens_per_step / seconds,
+      model_tflops=flops / seconds / 1e12, model_flops=flops,
+      peak_bytes=stats.get('peak_bytes_in_use'),
+      device_bytes=stats.get('bytes_limit'), compile_s=compile_s,
+      loss=loss, kernel_ms=kernel_ms,
+      temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+def run_in_process(p: dict, timeout: float) -> dict:
+  """Runs one point in a child process; never raises for the point's
+  failure (status 'does not fit', 'failed' or 'timeout')."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(p['mem_fraction']),
+             PYTHONPATH=os.pathsep.join(
+                 filter(None, [root, os.environ.get('PYTHONPATH')])))
+  cmd = [sys.executable, os.path.abspath(__file__), '--point', json.dumps(p)]
+  record = dict(p)
+  start = time.perf_counter()
+  try:
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                         timeout=timeout, cwd=root)
+  except subprocess.TimeoutExpired:
+    return dict(record, status='timeout', wall_s=timeout,
+                error=f'no result within --point-timeout={timeout:.0f} s')
+  record['wall_s'] = time.perf_counter() - start
+  lines = [line for line in out.stdout.splitlines()
+           if line.startswith(RESULT)]
+  if out.returncode == 0 and lines:
+    return dict(record, status='ok', **json.loads(lines[-1][len(RESULT):]))
+  text = out.stdout + out.stderr
+  errors = [line for line in out.stderr.splitlines() if line.strip()]
+  status = 'does not fit' if OOM.search(text) else 'failed'
+  return dict(record, status=status, returncode=out.returncode,
+              error=(errors[-1] if errors else '')[:500])
+
+
+def search_max_batch(fits, start: int, *, multiple: int = 1,
+                     max_tries: int = 6, cap: int = 1024) -> int | None:
+  """The largest batch b (a multiple of `multiple`) with fits(b), searched by
+  doubling from `start` until one fails, then bisecting; at most max_tries
+  calls of fits. None if no tried batch fits."""
+  lo, hi, b = 0, None, start
+  for _ in range(max_tries):
+    if fits(b):
+      lo = b
+    else:
+      hi = b
+    if hi is None:
+      b = min(2 * lo, cap)
+      if b <= lo:
+        break
+    else:
+      b = (lo + hi) // 2 // multiple * multiple
+      if b <= lo:
+        break
+  return lo or None
+
+
+def describe(r: dict) -> str:
+  if r['status'] != 'ok':
+    return f'{r["status"]}: {r.get("error", "")[:200]}'
+  peak = (f'{r["peak_bytes"] / 2**30:.1f} GiB' if r['peak_bytes']
+          else 'peak n/a')
+  return (f'{r["tokens_per_s"]:,.0f} tok/s, {r["model_tflops"]:.1f} TFLOP/s,'
+          f' {peak}, compile {r["compile_s"]:.0f} s, loss {r["loss"]:.3f}')
+
+
+class OutOfBudget(Exception):
+  """--budget-s would be exceeded by the next point."""
+
+
+class Sweep:
+  """Runs points once each (reusing those in --out) and keeps the records."""
+
+  def __init__(self, args):
+    self.args = args
+    self.records = {}
+    self.start = time.perf_counter()
+    self.walls = []
+    if args.out and os.path.exists(args.out) and not args.fresh:
+      for record in load_records(args.out):
+        if record['status'] in ('ok', 'does not fit'):
+          self.records[point_key(record)] = record
+
+  def run(self, name: str, mode: str, overrides: list[str], batch: int):
+    a = self.args
+    p = dict(name=name, mode=mode, preset=a.model, seq=a.seq, batch=batch,
+             overrides=overrides, steps=a.steps, profile=a.profile,
+             mem_fraction=a.mem_fraction)
+    key = point_key(p)
+    if key in self.records:
+      r = self.records[key]
+      print(f'  {name} batch {batch}: (from {a.out}) {describe(r)}',
+            flush=True)
+      return r
+    timeout = a.point_timeout
+    if a.budget_s:
+      left = a.budget_s - (time.perf_counter() - self.start)
+      expected = max(self.walls) if self.walls else 0.0
+      if left < max(expected, 30.0):
+        raise OutOfBudget(f'{left:.0f} s of --budget-s left, a point took'
+                          f' up to {expected:.0f} s')
+      timeout = min(timeout, left)
+    print(f'  {name} batch {batch} ...', flush=True)
+    r = run_in_process(p, timeout)
+    self.walls.append(r['wall_s'])
+    print(f'  {name} batch {batch}: {describe(r)} ({r["wall_s"]:.0f} s)',
+          flush=True)
+    self.records[key] = r
+    if a.out:
+      os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+      with open(a.out, 'a') as f:
+        f.write(json.dumps(r) + '\n')
+    return r
+
+
+def load_records(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------- the tables
+
+
+def _gib(x):
+  return f'{x / 2**30:.1f}' if x else 'n/a'
+
+
+def _ratio(a, b):
+  return f'{a / b:.2f}x' if a and b else ''
+
+
+def tables(records: list[dict], batches=None, largest_table=True) -> str:
+  """Markdown: each point (of `batches`, default all) with ratios to
+  `plain` at the same batch, then (largest_table) each run's largest batch
+  that fits with ratios to plain's largest."""
+  out = []
+  groups = {}
+  for r in records:
+    groups.setdefault((r['preset'], r['seq']), []).append(r)
+  for (preset, seq), rs in groups.items():
+    ok = [r for r in rs if r['status'] == 'ok']
+    device = ok[0]['device'] if ok else '?'
+    out.append(f'\n### {preset}, seq {seq}: {device}, jax'
+               f' {ok[0]["jax"] if ok else "?"},'
+               f' XLA_PYTHON_CLIENT_MEM_FRACTION={rs[0]["mem_fraction"]}'
+               ', random tokens\n')
+    names = list(dict.fromkeys(r['name'] for r in rs))
+    plain = {r['batch']: r for r in ok if r['name'] == 'plain'}
+    profiled = any(r.get('kernel_ms') for r in ok)
+    out.append('| run | batch | tokens/s | vs plain | model TFLOP/s |'
+               ' peak GiB | vs plain | compile s | step ms |'
+               + (' kernels outside GEMM+attention, ms |' if profiled else ''))
+    out.append('|---' * (9 + profiled) + '|')
+    shown = sorted({r['batch'] for r in rs if batches is None
+                    or r['batch'] in batches})
+    for b in shown:
+      for name in names:
+        for r in rs:
+          if r['name'] != name or r['batch'] != b:
+            continue
+          if r['status'] != 'ok':
+            out.append(f'| {name} | {b} | {r["status"]} |' + ' |' * (
+                6 + profiled))
+            continue
+          base = plain.get(b, {})
+          row = (f'| {name} | {b} | {r["tokens_per_s"]:,.0f} |'
+                 f' {_ratio(r["tokens_per_s"], base.get("tokens_per_s"))} |'
+                 f' {r["model_tflops"]:.1f} | {_gib(r["peak_bytes"])} |'
+                 f' {_ratio(r["peak_bytes"], base.get("peak_bytes"))} |'
+                 f' {r["compile_s"]:.0f} | {r["step_ms"]:.1f} |')
+          if profiled:
+            row += f' {outside_gemm_attention(r)} |'
+          out.append(row)
+    if profiled:
+      out.append(kernel_table([r for r in ok if r.get('kernel_ms')]))
+    largest = {}
+    for name in names:
+      fit = [r for r in ok if r['name'] == name]
+      if fit:
+        best = max(fit, key=lambda r: r['batch'])
+        fails = sorted(r['batch'] for r in rs if r['name'] == name
+                       and r['status'] == 'does not fit'
+                       and r['batch'] > best['batch'])
+        largest[name] = (best, fails[0] if fails else None)
+    if largest_table and largest:
+      out.append('\nLargest batch that fits (of those tried):\n')
+      out.append('| run | largest batch | does not fit | tokens/s |'
+                 ' vs plain at its largest | peak GiB |')
+      out.append('|---|---|---|---|---|---|')
+      base = largest.get('plain', ({}, None))[0]
+      for name, (r, fail) in largest.items():
+        out.append(f'| {name} | {r["batch"]} | {fail or "not found"} |'
+                   f' {r["tokens_per_s"]:,.0f} |'
+                   f' {_ratio(r["tokens_per_s"], base.get("tokens_per_s"))} |'
+                   f' {_gib(r["peak_bytes"])} |')
+  return '\n'.join(out)
+
+
+def kernel_table(records: list[dict]) -> str:
+  """GPU kernel ms per step by op class (step_profile.py's), per point."""
+  labels = list(dict.fromkeys(k for r in records for k in r['kernel_ms']))
+  lines = ['\nGPU kernel ms per step by op class (benchmarks/step_profile.py'
+           ' classes):\n',
+           '| op class | ' + ' | '.join(f'{r["name"]} b{r["batch"]}'
+                                      for r in records) + ' |',
+           '|---' * (len(records) + 1) + '|']
+  for label in labels:
+    lines.append(f'| {label} | ' + ' | '.join(
+        f'{r["kernel_ms"].get(label, 0.0):.1f}' for r in records) + ' |')
+  lines.append('| outside GEMM+attention | ' + ' | '.join(
+      outside_gemm_attention(r) for r in records) + ' |')
+  lines.append('| step (wall) | ' + ' | '.join(
+      f'{r["step_ms"]:.1f}' for r in records) + ' |')
+  return '\n'.join(lines)
+
+
+def outside_gemm_attention(r: dict) -> str:
+  """GPU kernel ms per step outside GEMMs and attention (step_profile's
+  classes), the issue-21 target's measure."""
+  ms = r.get('kernel_ms')
+  if not ms:
+    return ''
+  inside = ('fp8 gemm', 'gemm', 'attention')
+  return f'{sum(v for k, v in ms.items() if k not in inside):.1f}'
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--preset', default='1b', choices=sorted(PRESETS))
+  parser.add_argument('--batches', help='comma-separated (default: the'
+                      ' preset\'s)')
+  parser.add_argument('--modes', default='plain,bf16,fp8_linear,coat')
+  parser.add_argument('--variants', nargs='*', default=[],
+                      metavar='NAME=MODE:OVERRIDES')
+  parser.add_argument('--set', nargs='*', default=[],
+                      metavar='SECTION.FIELD=VALUE',
+                      help='overrides for every run (model.* fields also'
+                      ' shape plain), before each variant\'s own')
+  parser.add_argument('--seq', type=int, help='default: the preset\'s')
+  parser.add_argument('--steps', type=int, default=10,
+                      help='timed steps after the 2 s warm-up')
+  parser.add_argument('--max-batch', action='store_true',
+                      help='also search each run\'s largest batch')
+  parser.add_argument('--max-tries', type=int, default=6,
+                      help='processes per run in the --max-batch search')
+  parser.add_argument('--batch-multiple', type=int, default=1)
+  parser.add_argument('--mem-fraction', type=float, default=0.97,
+                      help='XLA_PYTHON_CLIENT_MEM_FRACTION of each point')
+  parser.add_argument('--point-timeout', type=float, default=480)
+  parser.add_argument('--budget-s', type=float, default=0,
+                      help='start no point that might end after this many'
+                      ' seconds (0: no limit); --out keeps what was done')
+  parser.add_argument('--unrolled', action='store_true',
+                      help='also run each coat_jax mode with'
+                      ' model.scan_layers=false (<mode>_unrolled)')
+  parser.add_argument('--profile', action='store_true',
+                      help='GPU kernel ms by op class (step_profile.py)')
+  parser.add_argument('--out', help='JSONL of the points (appended; points'
+                      ' already there are reused)')
+  parser.add_argument('--fresh', action='store_true',
+                      help='rerun points already in --out')
+  parser.add_argument('--report-only', metavar='FILE',
+                      help='print the tables of a --out file and exit')
+  parser.add_argument('--point', help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.point:
+    print(RESULT + json.dumps(run_point(json.loads(args.point))), flush=True)
+    return 0
+  if args.report_only:
+    latest = {point_key(r): r for r in load_records(args.report_only)}
+    print(tables(list(latest.values())))
+    return 0
+  try:
+    runs = runs_from_args(args.modes, args.variants, args.unrolled)
+  except ValueError as e:
+    parser.error(str(e))
+  preset = PRESETS[args.preset]
+  args.model = preset['model']
+  args.seq = args.seq or preset['seq']
+  batches = ([int(b) for b in args.batches.split(',')] if args.batches
+             else list(preset['batches']))
+  if not 0 < args.mem_fraction <= 1:
+    parser.error(f'--mem-fraction={args.mem_fraction} must be in (0, 1].')
+  print(f'e2e: {args.preset} ({args.model}), seq {args.seq}, batches'
+        f' {batches}, runs {list(runs)}, {args.steps} timed steps per point,'
+        f' XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction}', flush=True)
+  sweep = Sweep(args)
+  try:
+    for batch in batches:
+      for name, (mode, overrides) in runs.items():
+        sweep.run(name, mode, args.set + overrides, batch)
+    if args.max_batch:
+      for name, (mode, overrides) in runs.items():
+        print(f'largest batch of {name}:', flush=True)
+        best = search_max_batch(
+            lambda b, n=name, m=mode, o=args.set + overrides: sweep.run(
+                n, m, o, b)['status'] == 'ok',
+            max(batches), multiple=args.batch_multiple,
+            max_tries=args.max_tries)
+        print(f'  {name}: largest batch {best}', flush=True)
+  except OutOfBudget as e:
+    print(f'stopped before the next point: {e}. Rerun the same command'
+          + (f' (with --out {args.out})' if args.out else ' with --out')
+          + ' to go on from here.', flush=True)
+  mine = [r for r in sweep.records.values()
+          if (r['preset'], r['seq']) == (args.model, args.seq)]
+  print(tables(mine, None if args.max_batch else set(batches),
+               largest_table=args.max_batch))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,166 @@
+"""The baseline of benchmarks/e2e.py: a plain Flax NNX + optax BF16 Llama.
+
+What a user writes without coat_jax: `nnx.Embed`, `nnx.RMSNorm`,
+`nnx.Linear` (float32 params, BF16 compute), RoPE (HF's rotate_half, in
+float32), grouped-query attention through `jax.nn.dot_product_attention`
+(cuDNN flash attention on GPU, XLA elsewhere), SwiGLU, unrolled layers,
+BF16 logits with a float32 softmax cross entropy, `optax.adamw` after
+global-norm clipping at 1.0, one jitted step with the state donated.
+
+The architecture and matmul FLOPs are those of `coat_jax.models.Llama` for
+the same `LlamaConfig` (the params use the same names, so a test can load
+one model's weights into the other and compare losses).
+"""
+
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+from coat_jax.models import LlamaConfig
+
+
+def rope(x: jax.Array, positions: int, theta: float) -> jax.Array:
+  """Rotary embedding of x (B, S, N, D) over its first S positions."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  angles = jnp.outer(jnp.arange(positions, dtype=jnp.float32), inv_freq)
+  cos = jnp.cos(angles)[None, :, None, :]
+  sin = jnp.sin(angles)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin],
+                         axis=-1).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal GQA: q (B, S, N, D), k and v (B, S, K, D) -> (B, S, N, D)."""
+  impl = 'cudnn' if jax.default_backend() == 'gpu' else None
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                      implementation=impl)
+
+
+def _linear(n_in: int, n_out: int, cfg: LlamaConfig, rngs: nnx.Rngs):
+  return nnx.Linear(n_in, n_out, use_bias=False, dtype=jnp.bfloat16,
+                    param_dtype=jnp.float32, rngs=rngs,
+                    kernel_init=nnx.initializers.normal(cfg.init_std))
+
+
+def _norm(cfg: LlamaConfig, rngs: nnx.Rngs):
+  return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps,
+                     dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    h, d = cfg.hidden_size, cfg.head_dim
+    self.q_proj = _linear(h, cfg.num_heads * d, cfg, rngs)
+    self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg, rngs)
+    self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg, rngs)
+    self.o_proj = _linear(cfg.num_heads * d, h, cfg, rngs)
+    self.cfg = cfg
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, s, _ = x.shape
+    c = self.cfg
+    q = self.q_proj(x).reshape(b, s, c.num_heads, c.head_dim)
+    k = self.k_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+    v = self.v_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+    o = attention(rope(q, s, c.rope_theta), rope(k, s, c.rope_theta), v)
+    return self.o_proj(o.reshape(b, s, c.num_heads * c.head_dim))
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _linear(h, i, cfg, rngs)
+    self.up_proj = _linear(h, i, cfg, rngs)
+    self.down_proj = _linear(i, h, cfg, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.attn_norm = _norm(cfg, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = _norm(cfg, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class PlainLlama(nnx.Module):
+  """int tokens (B, S) -> BF16 logits (B, S, V); float32 params."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size,
+                           dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                           embedding_init=nnx.initializers.normal(
+                               cfg.init_std), rngs=rngs)
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.norm = _norm(cfg, rngs)
+    self.lm_head = (None if cfg.tie_embeddings
+                    else _linear(cfg.hidden_size, cfg.vocab_size, cfg, rngs))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens)
+    for layer in self.layers:
+      x = layer(x)
+    x = self.norm(x)
+    if self.lm_head is None:
+      return self.embed.attend(x)
+    return self.lm_head(x)
+
+
+def loss_fn(model: PlainLlama, tokens: jax.Array,
+            targets: jax.Array) -> jax.Array:
+  """Mean next-token cross entropy (softmax in float32)."""
+  logits = model(tokens).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, targets).mean()
+
+
+def make_optimizer(learning_rate: float = 3e-4) -> optax.GradientTransformation:
+  """Clip at global norm 1.0, then AdamW (b2 0.95, weight decay 0.1 on
+  matrices), as coat_jax's train step."""
+  return optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(learning_rate, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                  mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+
+
+def build(cfg: LlamaConfig, seed: int = 0,
+          learning_rate: float = 3e-4) -> tuple[Any, Any]:
+  """(init_state, train_step) for the plain BF16 Llama.
+
+  init_state() -> {'params': pure dict of float32 arrays, 'opt_state'};
+  train_step(state, inputs, targets) -> (state, {'loss'}) is jitted with
+  the state donated. inputs and targets: int32 (B, S).
+  """
+  graphdef, _ = nnx.split(nnx.eval_shape(
+      lambda: PlainLlama(cfg, nnx.Rngs(seed))))
+  tx = make_optimizer(learning_rate)
+
+  def init_state():
+    params = nnx.to_pure_dict(nnx.state(PlainLlama(cfg, nnx.Rngs(seed)),
+                                        nnx.Param))
+    return {'params': params, 'opt_state': jax.jit(tx.init)(params)}
+
+  def train_step(state, inputs, targets):
+    loss, grads = jax.value_and_grad(
+        lambda p: loss_fn(nnx.merge(graphdef, p), inputs, targets))(
+            state['params'])
+    updates, opt_state = tx.update(grads, state['opt_state'],
+                                   state['params'])
+    params = optax.apply_updates(state['params'], updates)
+    return {'params': params, 'opt_state': opt_state}, {'loss': loss}
+
+  return init_state, jax.jit(train_step, donate_argnums=0)

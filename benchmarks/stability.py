@@ -1,0 +1,364 @@
+"""Accuracy across learning rates: final validation loss per variant.
+
+Trains the 125m Llama (configs/llama_125m.py) on the default corpus
+(data.source=stdlib: the Python standard library, byte-level) at seq 512,
+batch 16, for 800 steps (warm-up 100, cosine decay to 0.1x), at each
+learning rate and seed, in each variant. Every run is `python train.py` in
+its own process with its run dir under --out-dir/<variant>_lr<lr>_seed<seed>
+(config.json, metrics.jsonl, train.log), so the curves can be re-plotted.
+Variants are `name=mode:section.field=value,...` as in benchmarks/e2e.py,
+over the precision overrides of benchmarks/train_modes.py:
+
+  bf16  model.precision=bf16, optim.name=adamw (always run: the reference)
+  coat  model.precision=coat, optim.name=coat_adamw
+  e.g.  moments=bf16:optim.name=coat_adamw (FP8 moments, BF16 model)
+        linear=fp8_linear:optim.name=adamw (FP8 GEMMs only)
+        coat_block=coat:model.scaling=block
+
+--parallel N runs N processes at once on the one GPU, each with
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/N. Runs finished in --out-dir are kept
+(rerun the same command in a later call to go on); unfinished ones restart.
+The report (markdown table, stability.md, and the curves, stability.png)
+covers every run dir found: --report-only DIR combines several calls.
+
+  PYTHONPATH=. python benchmarks/stability.py --out-dir runs/stability \\
+      --parallel 4 --lrs 1e-3,3e-3 --variants linear=fp8_linear:optim.name=adamw
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks import e2e
+from benchmarks import train_modes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+META = 'stability_run.json'
+# Targets of issue 21: |coat - bf16| / bf16 of the mean final val loss.
+TARGETS = {1e-3: 0.005, 3e-3: 0.005, 1e-2: 0.015}
+
+
+def parse_variants(specs: list[str]) -> dict:
+  """{name: (mode, overrides)}: bf16 and coat, then --variants."""
+  runs = {'bf16': ('bf16', []), 'coat': ('coat', [])}
+  for spec in specs:
+    name, mode, overrides = e2e.parse_variant(spec)
+    if mode not in train_modes.MODES:
+      raise ValueError(f'--variants {spec!r}: mode must be one of'
+                       f' {tuple(train_modes.MODES)} (train.py runs).')
+    if name in runs:
+      raise ValueError(f'--variants: the name {name!r} is taken.')
+    runs[name] = (mode, overrides)
+  return runs
+
+
+def run_name(variant: str, lr: float, seed: int) -> str:
+  return f'{variant}_lr{lr:g}_seed{seed}'
+
+
+def train_command(args, mode: str, overrides: list[str], lr: float,
+                  seed: int, run_dir: str) -> list[str]:
+  return [sys.executable, os.path.join(ROOT, 'train.py'),
+          '--config', args.config, '--set',
+          'data.source=stdlib', f'data.seq_len={args.seq}',
+          f'train.batch_size={args.batch}', f'train.steps={args.steps}',
+          f'optim.learning_rate={lr}', f'train.seed={seed}',
+          f'train.eval_every={args.eval_every}',
+          f'train.eval_batches={args.eval_batches}', 'train.log_every=10',
+          'train.checkpoint_every=0', 'train.progress_bar=false',
+          f'train.run_dir={run_dir}', *train_modes.MODES[mode],
+          *args.set, *overrides]
+
+
+def read_run(run_dir: str) -> dict | None:
+  """The run's metadata with its curves: train [(step, loss)], val
+  [(step, loss)], final_val (nan unless the last step was evaluated),
+  steps_per_s (median of the logged intervals but the first)."""
+  path = os.path.join(run_dir, META)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    run = json.load(f)
+  train, val, rates, nonfinite = [], [], [], 0
+  metrics = os.path.join(run_dir, 'metrics.jsonl')
+  if os.path.exists(metrics):
+    with open(metrics) as f:
+      for line in f:
+        r = json.loads(line)
+        if 'val_loss' in r:
+          val.append((r['step'], r['val_loss']))
+        else:
+          train.append((r['step'], r['loss']))
+          rates.append(r['tokens_per_s'] / (run['batch'] * run['seq']))
+          nonfinite = r['nonfinite_steps']
+  evaluated = bool(val) and val[-1][0] == run['steps']
+  return dict(run, train=train, val=val, evaluated=evaluated,
+              final_val=val[-1][1] if evaluated else math.nan,
+              nonfinite_steps=nonfinite,
+              steps_per_s=statistics.median(rates[1:] or rates or [math.nan]))
+
+
+def is_finished(run: dict | None) -> bool:
+  """Exited cleanly after evaluating its last step (a diverged run with a
+  nan loss is finished too: that is its result)."""
+  return bool(run) and run.get('returncode') == 0 and run['evaluated']
+
+
+def run_meta(args, name, mode, overrides, lr, seed) -> dict:
+  """What a run dir's stability_run.json records before the outcome."""
+  return dict(variant=name, mode=mode, overrides=overrides, lr=lr, seed=seed,
+              steps=args.steps, seq=args.seq, batch=args.batch,
+              config=args.config, set=args.set, eval_every=args.eval_every,
+              eval_batches=args.eval_batches)
+
+
+def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
+  """Runs every (variant, lr, seed) not finished yet, --parallel at once."""
+  todo = []
+  for name, (mode, overrides) in variants.items():
+    for lr in lrs:
+      for seed in seeds:
+        run_dir = os.path.join(args.out_dir, run_name(name, lr, seed))
+        meta = run_meta(args, name, mode, overrides, lr, seed)
+        old = read_run(run_dir)
+        if old and not args.fresh:
+          changed = sorted(k for k in meta if old.get(k) != meta[k])
+          if changed:
+            raise ValueError(
+                f'{run_dir} holds a run with other settings ({changed});'
+                ' pass another --out-dir, or --fresh to replace it.')
+          if is_finished(old):
+            print(f'  {run_name(name, lr, seed)}: finished before, kept',
+                  flush=True)
+            continue
+        todo.append((meta, run_dir))
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(
+      round(0.9 / args.parallel, 4)), PYTHONPATH=os.pathsep.join(
+          filter(None, [ROOT, os.environ.get('PYTHONPATH')])))
+  fraction = env['XLA_PYTHON_CLIENT_MEM_FRACTION']
+  print(f'{len(todo)} runs to go, {args.parallel} at a time,'
+        f' XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} each', flush=True)
+  running = []
+  walls = []
+  start_all = time.perf_counter()
+
+  def in_budget():
+    if not args.budget_s:
+      return True
+    elapsed = time.perf_counter() - start_all
+    return elapsed + (max(walls) if walls else 0.0) <= args.budget_s
+
+  while (todo and in_budget()) or running:
+    while todo and len(running) < args.parallel and in_budget():
+      meta, run_dir = todo.pop(0)
+      # Unfinished (or --fresh): train.py would append to its metrics.
+      shutil.rmtree(run_dir, ignore_errors=True)
+      os.makedirs(run_dir)
+      cmd = train_command(args, meta['mode'], meta['overrides'], meta['lr'],
+                          meta['seed'], run_dir)
+      log = open(os.path.join(run_dir, 'train.log'), 'w')
+      log.write('$ ' + ' '.join(cmd) + '\n')
+      log.flush()
+      proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT)
+      running.append((proc, log, meta, run_dir, time.perf_counter()))
+      print(f'  started {os.path.basename(run_dir)}', flush=True)
+    time.sleep(0.5)
+    for item in list(running):
+      proc, log, meta, run_dir, start = item
+      if proc.poll() is None:
+        continue
+      running.remove(item)
+      log.close()
+      wall = time.perf_counter() - start
+      walls.append(wall)
+      with open(os.path.join(run_dir, META), 'w') as f:
+        json.dump(dict(meta, returncode=proc.returncode, wall_s=wall), f)
+      run = read_run(run_dir)
+      status = ('ok' if is_finished(run) else
+                f'FAILED (exit {proc.returncode}, see {run_dir}/train.log)')
+      print(f'  {os.path.basename(run_dir)}: {status}, final val loss'
+            f' {run["final_val"]:.4f}, {run["steps_per_s"]:.1f} steps/s,'
+            f' {wall:.0f} s wall (imports, compile and evals included)',
+            flush=True)
+  if todo:
+    print(f'stopped: --budget-s {args.budget_s:.0f} would be exceeded by'
+          f' the next run; {len(todo)} runs left. Rerun the same command'
+          ' (same --out-dir) to go on.', flush=True)
+  if walls:
+    per_run = max(statistics.median(walls), 1.0)
+    print(f'\nsizing: a run takes ~{per_run:.0f} s wall at --parallel'
+          f' {args.parallel}; a 540 s call fits ~'
+          f'{int(540 // per_run) * args.parallel} runs', flush=True)
+
+
+def report(out_dir: str) -> str:
+  """Markdown table of every run dir in out_dir; writes stability.md and
+  stability.png there."""
+  runs = [read_run(os.path.join(out_dir, d)) for d in sorted(
+      os.listdir(out_dir))]
+  runs = [r for r in runs if r is not None]
+  if not runs:
+    raise FileNotFoundError(f'{out_dir}: no run dirs with {META}.')
+  variants = list(dict.fromkeys(
+      ['bf16', 'coat'] + [r['variant'] for r in runs]))
+  variants = [v for v in variants if any(r['variant'] == v for r in runs)]
+  lrs = sorted({r['lr'] for r in runs})
+  finals = {}
+  for r in runs:
+    finals.setdefault((r['variant'], r['lr']), {})[r['seed']] = r['final_val']
+  r0 = runs[0]
+  extra = ' --set ' + ' '.join(r0['set']) if r0['set'] else ''
+  lines = [f'{r0["config"]}{extra}: seq {r0["seq"]}, batch'
+           f' {r0["batch"]}, {r0["steps"]} steps, stdlib corpus; final'
+           ' validation loss, mean of seeds (each seed), and the relative'
+           ' difference of the means to bf16', '',
+           '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
+           '|---' * (len(lrs) + 1) + '|']
+  for v in variants:
+    cells = []
+    for lr in lrs:
+      seeds = finals.get((v, lr))
+      if not seeds:
+        cells.append('')
+        continue
+      mean = statistics.mean(seeds.values())
+      each = ', '.join(f'{seeds[s]:.4f}' for s in sorted(seeds))
+      cell = f'{mean:.4f} ({each})'
+      ref = finals.get(('bf16', lr))
+      if v != 'bf16' and ref and set(ref) == set(seeds):
+        diff = mean / statistics.mean(ref.values()) - 1
+        cell += f' {100 * diff:+.2f}%'
+        if lr in TARGETS:
+          cell += ' ok' if abs(diff) <= TARGETS[lr] else ' MISS'
+      cells.append(cell)
+    lines.append(f'| {v} | ' + ' | '.join(cells) + ' |')
+  lines += ['', 'ok/MISS: within the issue-21 target of bf16 (0.5% at 1e-3'
+            ' and 3e-3, 1.5% at 1e-2; same seeds on both sides).']
+  bad = [r for r in runs if r['nonfinite_steps'] or not math.isfinite(
+      r['final_val'])]
+  for r in bad:
+    lines.append(f'- {run_name(r["variant"], r["lr"], r["seed"])}:'
+                 f' {r["nonfinite_steps"]} skipped non-finite steps, exit'
+                 f' {r.get("returncode")}')
+  text = '\n'.join(lines)
+  with open(os.path.join(out_dir, 'stability.md'), 'w') as f:
+    f.write(text + '\n')
+  plot(runs, variants, lrs, os.path.join(out_dir, 'stability.png'))
+  return text
+
+
+def plot(runs: list[dict], variants: list[str], lrs: list[float],
+         path: str) -> None:
+  """Train (top) and validation (bottom) loss per learning rate; one color
+  per variant, one line style per seed."""
+  import matplotlib  # noqa: PLC0415 (only the report needs it)
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  fig, axes = plt.subplots(2, len(lrs), figsize=(5 * len(lrs), 7),
+                           squeeze=False, sharex=True)
+  colors = dict(zip(variants, plt.rcParams['axes.prop_cycle'].by_key()[
+      'color'] * 4))
+  styles = ['-', '--', ':', '-.']
+  seeds = sorted({r['seed'] for r in runs})
+  for col, lr in enumerate(lrs):
+    for r in runs:
+      if r['lr'] != lr:
+        continue
+      style = dict(color=colors[r['variant']],
+                   linestyle=styles[seeds.index(r['seed']) % len(styles)],
+                   label=f'{r["variant"]} seed {r["seed"]}')
+      for row, curve in enumerate((r['train'], r['val'])):
+        finite = [(s, v) for s, v in curve if math.isfinite(v)]
+        if finite:
+          axes[row][col].plot(*zip(*finite), linewidth=1, marker=(
+              '.' if len(finite) < 3 else None), **style)
+    for row, label in enumerate(('train loss', 'validation loss')):
+      ax = axes[row][col]
+      ax.set_title(f'lr {lr:g}: {label}')
+      ax.grid(alpha=0.3)
+      values = sorted(v for r in runs if r['lr'] == lr
+                      for s, v in (r['train'], r['val'])[row]
+                      if math.isfinite(v) and s >= r['steps'] // 10)
+      if values:  # Zoom past the first tenth of training.
+        lo, hi = values[0], values[int(0.95 * (len(values) - 1))]
+        ax.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.1 * (hi - lo + 1e-3))
+    axes[1][col].set_xlabel('step')
+  if axes[0][0].get_legend_handles_labels()[0]:
+    axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--out-dir', default='runs/stability')
+  parser.add_argument('--variants', nargs='*', default=[],
+                      metavar='NAME=MODE:OVERRIDES',
+                      help='runs besides bf16 and coat')
+  parser.add_argument('--only', help='comma-separated variant names to run'
+                      ' (default: all)')
+  parser.add_argument('--lrs', default='1e-3,3e-3,1e-2')
+  parser.add_argument('--seeds', default='0,1')
+  parser.add_argument('--steps', type=int, default=800)
+  parser.add_argument('--seq', type=int, default=512)
+  parser.add_argument('--batch', type=int, default=16)
+  parser.add_argument('--eval-every', type=int, default=100)
+  parser.add_argument('--eval-batches', type=int, default=16)
+  parser.add_argument('--config', default='configs/llama_125m.py')
+  parser.add_argument('--set', nargs='*', default=[],
+                      metavar='SECTION.FIELD=VALUE',
+                      help='overrides for every run, before the variant\'s')
+  parser.add_argument('--parallel', type=int, default=4)
+  parser.add_argument('--budget-s', type=float, default=0,
+                      help='start no run that might end after this many'
+                      ' seconds (0: no limit)')
+  parser.add_argument('--fresh', action='store_true',
+                      help='rerun runs already finished in --out-dir')
+  parser.add_argument('--report-only', metavar='DIR',
+                      help='print the table of the run dirs in DIR, write'
+                      ' its stability.md and stability.png, and exit')
+  args = parser.parse_args(argv)
+  if args.report_only:
+    print(report(args.report_only))
+    return 0
+  try:
+    variants = parse_variants(args.variants)
+    lrs = [float(x) for x in args.lrs.split(',')]
+    seeds = [int(x) for x in args.seeds.split(',')]
+  except ValueError as e:
+    parser.error(str(e))
+  if args.only:
+    unknown = set(args.only.split(',')) - set(variants)
+    if unknown:
+      parser.error(f'--only: {sorted(unknown)} are not variants; they are'
+                   f' {sorted(variants)}.')
+    variants = {k: v for k, v in variants.items()
+                if k in args.only.split(',')}
+  if args.parallel < 1:
+    parser.error('--parallel must be >= 1.')
+  print(f'stability: {args.config}, seq {args.seq}, batch {args.batch},'
+        f' {args.steps} steps, lrs {lrs}, seeds {seeds}, variants'
+        f' {list(variants)}, into {args.out_dir}', flush=True)
+  os.makedirs(args.out_dir, exist_ok=True)
+  try:
+    run_all(args, variants, lrs, seeds)
+  except ValueError as e:
+    parser.error(str(e))
+  print(report(args.out_dir))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

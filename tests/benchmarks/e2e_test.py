@@ -1,0 +1,179 @@
+"""benchmarks/e2e.py: the sweep's logic, and one tiny sweep on CPU."""
+
+import json
+
+from flax import nnx
+import jax
+import pytest
+
+from benchmarks import e2e
+from coat_jax import models
+
+
+def test_parse_variant_keeps_tuple_values():
+  assert e2e.parse_variant(
+      'm=coat:optim.moment_dtypes=e4m3,e5m2,model.scan_layers=false') == (
+          'm', 'coat', ['optim.moment_dtypes=e4m3,e5m2',
+                        'model.scan_layers=false'])
+  assert e2e.parse_variant('x=plain') == ('x', 'plain', [])
+
+
+@pytest.mark.parametrize('spec', ['coat:a.b=1', 'x=fp16:a.b=1', '=coat'])
+def test_bad_variant_names_the_flag(spec):
+  with pytest.raises(ValueError, match='--variants'):
+    e2e.parse_variant(spec)
+
+
+def test_runs_reject_unknown_modes_and_taken_names():
+  assert e2e.runs_from_args('plain,coat', ['u=coat:model.scan_layers=false']
+                            ) == {'plain': ('plain', []),
+                                  'coat': ('coat', []),
+                                  'u': ('coat', ['model.scan_layers=false'])}
+  with pytest.raises(ValueError, match='--modes'):
+    e2e.runs_from_args('plain,fp16', [])
+  with pytest.raises(ValueError, match='taken'):
+    e2e.runs_from_args('coat', ['coat=coat:model.scan_layers=false'])
+
+
+@pytest.mark.parametrize('largest', [1, 3, 4, 10, 37, 64, 1000])
+def test_max_batch_search_finds_the_largest(largest):
+  tried = []
+
+  def fits(b):
+    tried.append(b)
+    return b <= largest
+
+  assert e2e.search_max_batch(fits, 4, max_tries=20) == largest
+  assert len(tried) == len(set(tried))
+
+
+def test_max_batch_search_respects_tries_multiple_and_none():
+  tried = []
+  best = e2e.search_max_batch(lambda b: tried.append(b) or b <= 13, 4,
+                              multiple=2, max_tries=5)
+  assert tried == [4, 8, 16, 12, 14] and best == 12
+  assert e2e.search_max_batch(lambda b: False, 4) is None
+
+
+@pytest.mark.parametrize('preset', ['tiny', '125m', '1b'])
+def test_model_flops_is_six_matmul_params_plus_causal_attention(preset):
+  cfg = models.LlamaConfig.preset(preset)
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
+      lambda: models.Llama(cfg, precision='bf16', rngs=nnx.Rngs(0))),
+      nnx.Param)))
+  norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+  lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
+  matmul = params - norms - lookup
+  b, s = 3, 128
+  attention = cfg.num_layers * 3 * 4 * b * s * s * cfg.hidden_size / 2
+  assert e2e.model_flops(cfg, b, s) == 6 * matmul * b * s + attention
+
+
+def _record(name, batch, status='ok', tok=1000.0, peak=2**30):
+  return dict(name=name, mode=name, preset='1b', seq=2048, batch=batch,
+              overrides=[], profile=False, mem_fraction=0.97, steps=10,
+              status=status,
+              device='H200', jax='0.11', tokens_per_s=tok, model_tflops=1.0,
+              peak_bytes=peak, compile_s=1.0, step_ms=1.0, loss=2.0,
+              error='OOM')
+
+
+def test_tables_ratios_and_largest_batch():
+  records = [_record('plain', 4, tok=1000.0, peak=4 * 2**30),
+             _record('plain', 8, 'does not fit'),
+             _record('coat', 4, tok=1500.0, peak=2**30),
+             _record('coat', 8, tok=2000.0, peak=2 * 2**30),
+             _record('coat', 16, 'does not fit')]
+  text = e2e.tables(records)
+  assert '| coat | 4 | 1,500 | 1.50x | 1.0 | 1.0 | 0.25x |' in text
+  assert '| plain | 8 | does not fit |' in text
+  assert '| coat | 8 | 16 | 2,000 | 2.00x | 2.0 |' in text
+  assert '| plain | 4 | 8 | 1,000 | 1.00x | 4.0 |' in text
+  assert 'Largest' not in e2e.tables(records, {4}, largest_table=False)
+
+
+def test_out_of_memory_messages_are_recognized():
+  assert e2e.OOM.search('jaxlib.xla_extension.XlaRuntimeError:'
+                        ' RESOURCE_EXHAUSTED: Out of memory while trying to'
+                        ' allocate 1.00GiB.')
+  assert not e2e.OOM.search('ValueError: model.precision=x must be one of')
+
+
+def test_tiny_sweep_in_processes_then_reused(tmp_path, capsys):
+  """Two modes and a failing variant, one process each; the rerun reuses
+  the recorded points (no process) and retries the failed one."""
+  out = tmp_path / 'sub' / 'e2e.jsonl'
+  argv = ['--preset', 'tiny', '--modes', 'plain,coat', '--steps', '2',
+          '--set', 'model.num_layers=1', '--seq', '32',
+          '--variants', 'broken=coat:model.precision=fp16',
+          '--out', str(out)]
+  assert e2e.main(argv) == 0
+  records = {r['name']: r for r in e2e.load_records(out)}
+  for name in ('plain', 'coat'):
+    r = records[name]
+    assert r['status'] == 'ok', r
+    assert r['tokens_per_s'] > 0 and r['loss'] == r['loss']
+    assert r['mem_fraction'] == 0.97 and r['batch'] == 2 and r['seq'] == 32
+  assert records['broken']['status'] == 'failed'
+  assert 'model.precision' in records['broken']['error']
+  text = capsys.readouterr().out
+  assert '| coat | 2 |' in text and '| broken | 2 | failed |' in text
+  argv[argv.index('--variants') + 1] = 'broken=coat:model.precision=fp17'
+  assert e2e.main(argv) == 0
+  assert capsys.readouterr().out.count(f'(from {out})') == 2
+  assert len(e2e.load_records(out)) == 4
+  assert json.loads(out.read_text().splitlines()[-1])['overrides'] == [
+      'model.num_layers=1', 'model.precision=fp17']
+
+
+def test_unrolled_adds_a_run_per_coat_jax_mode():
+  assert e2e.runs_from_args('plain,bf16,coat', [], unrolled=True) == {
+      'plain': ('plain', []), 'bf16': ('bf16', []), 'coat': ('coat', []),
+      'bf16_unrolled': ('bf16', ['model.scan_layers=false']),
+      'coat_unrolled': ('coat', ['model.scan_layers=false'])}
+
+
+def test_budget_stops_before_a_point_that_would_not_end_in_time(
+    monkeypatch, tmp_path, capsys):
+  clock = [0.0]
+  calls = []
+
+  def fake_run(p, timeout):
+    calls.append((p['name'], p['batch'], timeout))
+    clock[0] += 40.0
+    return {**p, **_record(p['name'], p['batch']), 'wall_s': 40.0}
+
+  monkeypatch.setattr(e2e, 'run_in_process', fake_run)
+  monkeypatch.setattr(e2e.time, 'perf_counter', lambda: clock[0])
+  out = tmp_path / 'e2e.jsonl'
+  argv = ['--preset', '1b', '--modes', 'plain,coat', '--budget-s', '100',
+          '--out', str(out)]
+  assert e2e.main(argv) == 0
+  # 100 s: two 40 s points; the third (20 s left < 40 s) is not started.
+  assert calls == [('plain', 8, 100.0), ('coat', 8, 60.0)]
+  assert 'stopped before the next point' in capsys.readouterr().out
+  clock[0] = 0.0
+  assert e2e.main(argv) == 0  # goes on from the file
+  assert [c[:2] for c in calls[2:]] == [('plain', 16), ('coat', 16)]
+  assert '| coat | 16 | 1,000 | 1.00x |' in capsys.readouterr().out
+
+
+def test_profiled_points_get_the_kernel_class_table():
+  r = _record('coat', 8)
+  r['kernel_ms'] = {'fp8 gemm': 75.0, 'attention': 34.0, 'gemm': 13.0,
+                    'reduce': 22.0, 'fusion (elementwise)': 26.5}
+  text = e2e.tables([_record('plain', 8), r])
+  assert '| outside GEMM+attention | 48.5 |' in text
+  assert '| reduce | 22.0 |' in text
+  assert '| coat | 8 | 1,000 | 1.00x | 1.0 | 1.0 | 1.00x | 1 | 1.0 | 48.5 |'\
+      in text
+
+
+def test_report_only_shows_the_latest_record_of_a_point(tmp_path, capsys):
+  out = tmp_path / 'e2e.jsonl'
+  out.write_text('\n'.join(json.dumps(r) for r in [
+      _record('coat', 4, 'failed'), _record('coat', 4, tok=3000.0),
+      _record('plain', 4)]) + '\n')
+  assert e2e.main(['--report-only', str(out)]) == 0
+  text = capsys.readouterr().out
+  assert '| coat | 4 | 3,000 | 3.00x |' in text and 'failed' not in text
