@@ -19,8 +19,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401 (registers numpy's 'bfloat16' for safetensors)
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from coat_jax.models import llama
 
@@ -55,6 +53,17 @@ _FROM_CHECKPOINT = {
     'num_kv_heads': 'num_key_value_heads',
     'tie_embeddings': 'tie_word_embeddings',
 }
+
+
+def _safetensors():
+  """The `safetensors` package (the 'hf' extra), imported on first use."""
+  try:
+    import safetensors.numpy  # noqa: PLC0415 (optional dependency)
+  except ImportError:
+    raise ImportError(
+        "Hugging Face checkpoints need the `safetensors` package: pip install"
+        " 'coat-jax[hf]' (or pip install safetensors).") from None
+  return safetensors
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
@@ -197,7 +206,7 @@ class _Tensors:
         raise FileNotFoundError(
             f'{full}: missing shard ({INDEX_FILE} puts {name!r} in it);'
             ' download the complete checkpoint.')
-      self._files[file] = safe_open(full, framework='np')
+      self._files[file] = _safetensors().safe_open(full, framework='np')
     handle = self._files[file]
     if self._map is None and name not in handle.keys():
       raise ValueError(f'{self._path}/{SINGLE_FILE} has no tensor {name!r}.')
@@ -405,7 +414,8 @@ def save_hf(model: llama.Llama, path: str | os.PathLike, *,
       x = _host(x).astype(np_dtype)
       tensors[name] = np.ascontiguousarray(x.T if transposed else x)
       weight_map[name] = file
-    save_file(tensors, os.path.join(path, file), metadata={'format': 'pt'})
+    _safetensors().numpy.save_file(tensors, os.path.join(path, file),
+                                   metadata={'format': 'pt'})
   if len(shards) > 1:
     total = sum(math.prod(e[3]) for e in entries) * np_dtype.itemsize
     with open(os.path.join(path, INDEX_FILE), 'w') as f:
