@@ -8,6 +8,7 @@ only `safetensors` and numpy (BF16 through ml_dtypes), never torch.
 """
 
 from collections.abc import Callable
+import contextlib
 import glob
 import json
 import math
@@ -195,6 +196,14 @@ class _Tensors:
           f'{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; coat_jax reads'
           ' safetensors checkpoints only.')
     self._path, self._map, self._files = path, weight_map, {}
+    self._keys = {}
+    self._stack = contextlib.ExitStack()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self._stack.close()
 
   def _file(self, name: str):
     file = SINGLE_FILE if self._map is None else self._map.get(name)
@@ -206,11 +215,12 @@ class _Tensors:
         raise FileNotFoundError(
             f'{full}: missing shard ({INDEX_FILE} puts {name!r} in it);'
             ' download the complete checkpoint.')
-      self._files[file] = _safetensors().safe_open(full, framework='np')
-    handle = self._files[file]
-    if self._map is None and name not in handle.keys():
+      handle = _safetensors().safe_open(full, framework='np')
+      self._files[file] = self._stack.enter_context(handle)
+      self._keys[file] = set(self._files[file].keys())
+    if self._map is None and name not in self._keys[file]:
       raise ValueError(f'{self._path}/{SINGLE_FILE} has no tensor {name!r}.')
-    return handle
+    return self._files[file]
 
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self._file(name).get_slice(name).get_shape())
@@ -269,7 +279,12 @@ def load_hf_params(path: str | os.PathLike, abstract_params: dict,
     ValueError: a tensor is missing or its shape does not match.
   """
   path = os.fspath(path)
-  tensors = _Tensors(path)
+  with _Tensors(path) as tensors:
+    return _read_params(path, tensors, abstract_params, shardings)
+
+
+def _read_params(path: str, tensors: '_Tensors', abstract_params: dict,
+                 shardings: dict | None) -> dict:
   flat = _flat(abstract_params)
   flat_shardings = (_flat(shardings) if shardings is not None else {})
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
