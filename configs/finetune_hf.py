@@ -21,7 +21,8 @@ def get_config() -> Config:
       model=ModelConfig(precision='coat'),  # set model.init_from=DIR
       optim=OptimConfig(learning_rate=2e-5, warmup_steps=10,
                         end_learning_rate_ratio=0.1, weight_decay=0.0),
-      data=DataConfig(source='text', seq_len=2048),
+      # Your text: --set data.source=text data.paths='my/*.txt'.
+      data=DataConfig(seq_len=2048),
       train=TrainConfig(steps=200, batch_size=8, eval_every=50,
                         checkpoint_every=100, log_every=10,
                         run_dir='runs/finetune_hf'),

@@ -164,7 +164,20 @@ def test_loads_onto_the_fsdp_sharding_of_train_py(tmp_path):
   config.optim.group_size = 8  # lets the fsdp axis split more params
   setup = trainer.build(config, jax.devices())
   want = setup.state_shardings['params']
-  loaded = cm.load_hf(tmp_path, 'coat', shardings=want)
+  reads, read = [], hf._Tensors.read
+
+  def recorded(self, name, index):
+    x = read(self, name, index)
+    reads.append((name, x.shape))
+    return x
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(hf._Tensors, 'read', recorded)
+    loaded = cm.load_hf(tmp_path, 'coat', shardings=want)
+  # Each device's shard is read, once per distinct shard, not the tensor.
+  embed = [shape for name, shape in reads
+           if name == 'model.embed_tokens.weight']
+  assert embed == [(256, 8)] * 8
   got = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
   jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim)
                or pytest.fail(f'{x.sharding} != {s}'), got, want)
@@ -244,3 +257,16 @@ def test_save_hf_bad_arguments(tmp_path):
     cm.save_hf(model, tmp_path, dtype='float16')
   with pytest.raises(ValueError, match='max_shard_size=0'):
     cm.save_hf(model, tmp_path, max_shard_size=0)
+
+
+def test_rope_scaling_arguments_are_checked():
+  with pytest.raises(ValueError, match='high_freq_factor=1.0 must be'):
+    cm.RopeScaling(low_freq_factor=1.0, high_freq_factor=1.0)
+  with pytest.raises(ValueError, match='factor and'):
+    cm.RopeScaling(factor=0.0)
+  cos, sin = cm.llama.rope_tables(8, 16, 500000.0)
+  cos3, sin3 = cm.llama.rope_tables(
+      8, 16, 500000.0, cm.RopeScaling(original_max_position_embeddings=64))
+  # High frequencies are kept, the lowest are divided by the factor.
+  np.testing.assert_array_equal(cos3[:, 0], cos[:, 0])
+  assert not np.allclose(sin3[:, -1], sin[:, -1], rtol=0.5)

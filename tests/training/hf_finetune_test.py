@@ -143,7 +143,8 @@ def test_text_data_uses_the_checkpoint_tokenizer(tiny_config, tmp_path):
 
 
 def test_finetune_config_and_command_line(hf_dir, corpus, tmp_path, capsys):
-  sets = [f'model.init_from={hf_dir}', f'data.paths={corpus}',
+  sets = [f'model.init_from={hf_dir}', 'data.source=text',
+          f'data.paths={corpus}',
           'data.seq_len=32', f'train.run_dir={tmp_path}']
   config = training.apply_overrides(training.load_config(
       os.path.join(ROOT, 'configs', 'finetune_hf.py')), sets)
