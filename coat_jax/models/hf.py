@@ -203,7 +203,13 @@ class _Tensors:
     return self
 
   def __exit__(self, *exc):
+    self.release()
+
+  def release(self) -> None:
+    """Closes the open files: their mapped pages stop counting as ours."""
     self._stack.close()
+    self._stack = contextlib.ExitStack()
+    self._files.clear()
 
   def _file(self, name: str):
     file = SINGLE_FILE if self._map is None else self._map.get(name)
@@ -260,9 +266,10 @@ def load_hf_params(path: str | os.PathLike, abstract_params: dict,
                    shardings: dict | None = None) -> dict:
   """Reads a checkpoint's weights into a `Llama`'s param tree.
 
-  Each param is built with `jax.make_array_from_callback`: every device
-  reads (and transposes, casts) only its own shard of the HF tensors, so no
-  host copy bigger than one shard is ever made.
+  Each HF tensor goes through `jax.make_array_from_callback`: every device
+  reads (and transposes, casts) only its own shard of it, and stacked layer
+  params are written into place layer by layer, so the host never holds
+  more than one tensor.
 
   Args:
     path: the checkpoint directory.
@@ -300,31 +307,51 @@ def _read_params(path: str, tensors: '_Tensors', abstract_params: dict,
         raise ValueError(
             f'{path}: tensor {name!r} has shape {got}; config.json implies'
             f' {want} (coat_jax param {"/".join(p)} {abstract.shape}).')
-    out[p] = jax.make_array_from_callback(
-        tuple(abstract.shape), flat_shardings.get(p, default),
-        _shard_reader(tensors, names, transposed, stacked, abstract.dtype))
+    sharding = flat_shardings.get(p, default)
+    if stacked:
+      out[p] = _stack_layers(tensors, names, transposed, abstract, sharding)
+    else:
+      out[p] = jax.make_array_from_callback(
+          shape, sharding,
+          _shard_reader(tensors, names[0], transposed, abstract.dtype))
+    tensors.release()
   return _unflat(out)
 
 
-def _shard_reader(tensors: _Tensors, names: list[str], transposed: bool,
-                  stacked: bool, dtype: Any) -> Callable:
-  cache = {}
+def _stack_layers(tensors: _Tensors, names: list[str], transposed: bool,
+                  abstract: Any, sharding: jax.sharding.Sharding):
+  """A stacked (num_layers, ...) param, written into place one layer at a
+  time, so the host holds one layer's shard, not the whole stack."""
+  shape, dtype = tuple(abstract.shape), abstract.dtype
+  layer_sharding = sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    layer_sharding = jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+  stack = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+  put = jax.jit(
+      lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(
+          stack, layer, i, 0),
+      out_shardings=sharding, donate_argnums=0)
+  for i, name in enumerate(names):
+    layer = jax.make_array_from_callback(
+        shape[1:], layer_sharding,
+        _shard_reader(tensors, name, transposed, dtype))
+    stack = put(stack, layer, i)
+    tensors.release()
+  return stack
 
-  def one(name, index):
-    hf_index = tuple(index[::-1]) if transposed else tuple(index)
-    x = tensors.read(name, hf_index)
-    return x.T if transposed else x
+
+def _shard_reader(tensors: _Tensors, name: str, transposed: bool,
+                  dtype: Any) -> Callable:
+  """index -> that slice of the coat_jax-layout tensor `name`, as dtype."""
+  cache = {}
 
   def read(index):
     key = tuple((s.start, s.stop, s.step) for s in index)
     if key not in cache:  # Replicated shards read once.
-      if stacked:
-        layers = range(len(names))[index[0]]
-        x = np.stack([one(names[i], index[1:]) for i in layers])
-      else:
-        x = one(names[0], index)
+      x = tensors.read(name, tuple(index[::-1]) if transposed else index)
       cache.clear()
-      cache[key] = np.asarray(x, dtype=dtype)
+      cache[key] = np.asarray(x.T if transposed else x, dtype=dtype)
     return cache[key]
 
   return read

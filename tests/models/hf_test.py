@@ -178,6 +178,9 @@ def test_loads_onto_the_fsdp_sharding_of_train_py(tmp_path):
   embed = [shape for name, shape in reads
            if name == 'model.embed_tokens.weight']
   assert embed == [(256, 8)] * 8
+  # Stacked params: one layer's shard at a time ((out, in) slices).
+  q = [shape for name, shape in reads if name.endswith('q_proj.weight')]
+  assert q == [(64, 8)] * 16
   got = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
   jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim)
                or pytest.fail(f'{x.sharding} != {s}'), got, want)
