@@ -5,8 +5,9 @@ Writes a random Llama of --preset as a BF16 HF checkpoint (sharded at
 mesh over all devices (train.py's shardings) and reports the seconds, the
 host peak RSS growth during the load (load_hf assembles each param from
 per-device shards, one HF tensor at a time, so this should stay near one
-tensor, far below the checkpoint size), the device memory in use, and whether
-every param's position-weighted checksum matches the written one; then times `save_hf` back.
+tensor, far below the checkpoint size), the device memory in use, and
+whether each param's position-weighted checksum matches the written one;
+then times `save_hf` back.
 One-shot timings, not a performance claim.
 
   PYTHONPATH=. python benchmarks/hf_load.py --preset llama2_7b --dir /tmp/hf_7b
