@@ -273,3 +273,17 @@ def test_rope_scaling_arguments_are_checked():
   # High frequencies are kept, the lowest are divided by the factor.
   np.testing.assert_array_equal(cos3[:, 0], cos[:, 0])
   assert not np.allclose(sin3[:, -1], sin[:, -1], rtol=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('precision', ['bf16', 'coat'])
+def test_gpu_logits_follow_transformers(hf_dirs, precision):
+  """On a Hopper GPU (cuDNN attention, FP8 GEMMs), against CPU torch."""
+  for name in ('llama2', 'llama3'):
+    path, reference = hf_dirs[name]
+    tokens = _tokens(4, 64)
+    want = _hf_logits(reference, tokens)
+    got = _logits(cm.load_hf(path, precision), tokens)
+    assert np.isfinite(got).all()
+    cos = (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want)
+    assert cos > (0.9999 if precision == 'bf16' else 0.99), (name, cos)
