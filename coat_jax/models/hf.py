@@ -414,6 +414,9 @@ def save_hf(model: llama.Llama, path: str | os.PathLike, *,
     dtype: 'float32' or 'bfloat16' for the saved weights.
     max_shard_size: bytes per safetensors file; larger models are sharded
       with a model.safetensors.index.json.
+
+  In a multi-process run every process calls it (sharded params are
+  gathered one tensor at a time) and process 0 writes the files.
   """
   if dtype not in ('float32', 'bfloat16'):
     raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'.")
@@ -440,12 +443,15 @@ def save_hf(model: llama.Llama, path: str | os.PathLike, *,
     shards[-1].append(e)
     size += nbytes
   path = os.fspath(path)
-  os.makedirs(path, exist_ok=True)
-  for stale in (glob.glob(os.path.join(path, 'model-*-of-*.safetensors'))
-                + [os.path.join(path, SINGLE_FILE),
-                   os.path.join(path, INDEX_FILE)]):
-    if os.path.exists(stale):
-      os.remove(stale)
+  # Every process joins the gathers of sharded params; process 0 writes.
+  lead = jax.process_index() == 0
+  if lead:
+    os.makedirs(path, exist_ok=True)
+    for stale in (glob.glob(os.path.join(path, 'model-*-of-*.safetensors'))
+                  + [os.path.join(path, SINGLE_FILE),
+                     os.path.join(path, INDEX_FILE)]):
+      if os.path.exists(stale):
+        os.remove(stale)
   weight_map = {}
   for n, shard in enumerate(shards):
     file = (SINGLE_FILE if len(shards) == 1 else
@@ -456,8 +462,11 @@ def save_hf(model: llama.Llama, path: str | os.PathLike, *,
       x = _host(x).astype(np_dtype)
       tensors[name] = np.ascontiguousarray(x.T if transposed else x)
       weight_map[name] = file
-    _safetensors().numpy.save_file(tensors, os.path.join(path, file),
-                                   metadata={'format': 'pt'})
+    if lead:
+      _safetensors().numpy.save_file(tensors, os.path.join(path, file),
+                                     metadata={'format': 'pt'})
+  if not lead:
+    return
   if len(shards) > 1:
     total = sum(math.prod(e[3]) for e in entries) * np_dtype.itemsize
     with open(os.path.join(path, INDEX_FILE), 'w') as f:
