@@ -287,3 +287,27 @@ def test_gpu_logits_follow_transformers(hf_dirs, precision):
     assert np.isfinite(got).all()
     cos = (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want)
     assert cos > (0.9999 if precision == 'bf16' else 0.99), (name, cos)
+
+
+def test_config_json_variants():
+  base = dict(model_type='llama', vocab_size=256, hidden_size=64,
+              intermediate_size=176, num_hidden_layers=2,
+              num_attention_heads=4)
+  llama3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+  plain = hf.llama_config_from_hf(base)  # transformers' defaults
+  assert plain.num_kv_heads == 4 and plain.rope_theta == 10000.0
+  assert plain.rope_scaling is None and not plain.tie_embeddings
+  for rope in (dict(rope_scaling=None),
+               dict(rope_scaling=dict(rope_type='default')),
+               dict(rope_parameters=dict(rope_type='default',
+                                         rope_theta=5e5))):
+    assert hf.llama_config_from_hf({**base, **rope}).rope_scaling is None
+  v4 = hf.llama_config_from_hf({**base, 'rope_theta': 5e5, 'rope_scaling': {
+      'type': 'llama3', **llama3}})  # the older 'type' key
+  v5 = hf.llama_config_from_hf({**base, 'rope_parameters': {
+      'rope_type': 'llama3', 'rope_theta': 5e5, **llama3}})
+  assert v4 == v5 and v4.rope_theta == 5e5
+  assert v4.rope_scaling == cm.RopeScaling(**llama3)
+  with pytest.raises(ValueError, match="lacks 'factor'"):
+    hf.llama_config_from_hf({**base, 'rope_scaling': {'rope_type': 'llama3'}})
