@@ -39,6 +39,30 @@ _PRESETS = {
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3's RoPE frequency scaling (HF rope_type 'llama3').
+
+  Wavelengths longer than original_max_position_embeddings / low_freq_factor
+  are stretched by `factor`, those shorter than .../ high_freq_factor kept,
+  and the band between interpolated smoothly.
+  """
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(
+          f'rope_scaling: high_freq_factor={self.high_freq_factor} must be'
+          f' greater than low_freq_factor={self.low_freq_factor} > 0.')
+    if self.factor <= 0 or self.original_max_position_embeddings <= 0:
+      raise ValueError('rope_scaling: factor and'
+                       ' original_max_position_embeddings must be positive.')
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Llama architecture.
 
@@ -51,6 +75,7 @@ class LlamaConfig:
     num_kv_heads: key/value heads (GQA); divides num_heads.
     max_seq_len: length of the RoPE table; longer sequences are rejected.
     rope_theta: RoPE base.
+    rope_scaling: Llama 3 frequency scaling, or None (plain RoPE).
     rms_norm_eps: RMSNorm epsilon.
     tie_embeddings: use the embedding table as the LM head.
     init_std: std of the normal initializer of all matrices.
@@ -67,6 +92,7 @@ class LlamaConfig:
   num_kv_heads: int = 32
   max_seq_len: int = 4096
   rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
   rms_norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
@@ -104,13 +130,30 @@ class LlamaConfig:
 
 
 def rope_tables(
-    seq_len: int, head_dim: int, theta: float
+    seq_len: int, head_dim: int, theta: float,
+    scaling: RopeScaling | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """cos and sin of the rotary angles, each (seq_len, head_dim // 2) f32."""
   inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32)
                        / head_dim)
+  if scaling is not None:
+    inv_freq = _llama3_inv_freq(inv_freq, scaling)
   angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq
   return jnp.cos(angles), jnp.sin(angles)
+
+
+def _llama3_inv_freq(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
+  """HF transformers' `_compute_llama3_parameters`, in float32."""
+  old = s.original_max_position_embeddings
+  wavelen = 2 * jnp.pi / inv_freq
+  scaled = jnp.where(wavelen > old / s.low_freq_factor, inv_freq / s.factor,
+                     inv_freq)
+  smooth = ((old / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = ((wavelen >= old / s.high_freq_factor)
+            & (wavelen <= old / s.low_freq_factor))
+  return jnp.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -278,7 +321,8 @@ class Llama(nnx.Module):
     """int tokens (B, S) -> final normed hidden states (B, S, H) in dtype."""
     seq = _check_tokens(tokens, self.config)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
-    cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta)
+    cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta,
+                           self.config.rope_scaling)
 
     if self.config.scan_layers:
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)

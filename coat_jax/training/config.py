@@ -29,6 +29,10 @@ class ModelConfig:
   max_seq_len: int | None = None
   tie_embeddings: bool | None = None
   scan_layers: bool | None = None
+  # A Hugging Face Llama directory (config.json + safetensors): the first
+  # run starts from its weights, its config.json sets the dimensions (the
+  # preset is ignored) and data.source=text uses its tokenizer.json.
+  init_from: str | None = None
 
 
 @dataclasses.dataclass

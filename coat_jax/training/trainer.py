@@ -17,6 +17,7 @@ import optax
 import tqdm
 
 from coat_jax import optim
+from coat_jax.models import hf
 from coat_jax.models import llama
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
@@ -32,9 +33,23 @@ class NonFiniteError(RuntimeError):
 def llama_config(model: config_lib.ModelConfig) -> llama.LlamaConfig:
   overrides = {f.name: getattr(model, f.name)
                for f in dataclasses.fields(model)
-               if f.name not in ('preset', 'precision')
+               if f.name not in ('preset', 'precision', 'init_from')
                and getattr(model, f.name) is not None}
+  if model.init_from is not None:
+    return hf.llama_config_from_hf(hf.read_hf_config(model.init_from),
+                                   overrides, prefix='model.')
   return llama.LlamaConfig.preset(model.preset, **overrides)
+
+
+def data_config(config: config_lib.Config) -> config_lib.DataConfig:
+  """config.data, with data.source=text reading model.init_from's
+  tokenizer.json when data.tokenizer is unset and that file exists."""
+  d, init_from = config.data, config.model.init_from
+  if d.source == 'text' and d.tokenizer is None and init_from is not None:
+    tokenizer = os.path.join(init_from, 'tokenizer.json')
+    if os.path.isfile(tokenizer):
+      return dataclasses.replace(d, tokenizer=tokenizer)
+  return d
 
 
 def _adamw_args(config: config_lib.Config) -> dict:
@@ -122,6 +137,14 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   def model_params():
     return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
 
+  def first_params():
+    """Placed params of a new run: random, or model.init_from's weights."""
+    if config.model.init_from is None:
+      return jax.device_put(model_params(), state_shardings['params'])
+    return hf.load_hf_params(config.model.init_from,
+                             abstract_state['params'],
+                             state_shardings['params'])
+
   def new_state(params):
     return {'params': params, 'opt_state': tx.init(params),
             'step': jnp.zeros((), jnp.int32),
@@ -198,7 +221,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       # initializers of the 1b model took over 2 minutes on an H100.
       init_state=lambda: jax.jit(
           new_state, out_shardings=state_shardings, donate_argnums=0)(
-              jax.device_put(model_params(), state_shardings['params'])),
+              first_params()),
       train_step=jax.jit(
           train_step, in_shardings=(state_shardings, batch_sharding,
                                     batch_sharding),
@@ -239,7 +262,7 @@ def train(config: config_lib.Config, devices=None) -> dict:
   """
   setup = build(config, devices)
   t = config.train
-  dataset = data_lib.load_dataset(config.data,
+  dataset = data_lib.load_dataset(data_config(config),
                                   llama_config(config.model).vocab_size)
   os.makedirs(t.run_dir, exist_ok=True)
   lead = jax.process_index() == 0

@@ -1,0 +1,476 @@
+"""Hugging Face Llama checkpoints (config.json + safetensors) <-> `Llama`.
+
+HF `nn.Linear` weights are (out, in); coat_jax kernels are (in, out), and
+the decoder layers are stacked along a leading num_layers axis. HF Llama's
+q/k weights are laid out for `rotate_half` (split halves), which is what
+`llama.apply_rope` does, so no head permutation is needed. Reading needs
+only `safetensors` and numpy (BF16 through ml_dtypes), never torch.
+"""
+
+from collections.abc import Callable
+import contextlib
+import glob
+import json
+import math
+import os
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401 (registers numpy's 'bfloat16' for safetensors)
+import numpy as np
+
+from coat_jax.models import llama
+
+CONFIG_FILE = 'config.json'
+SINGLE_FILE = 'model.safetensors'
+INDEX_FILE = 'model.safetensors.index.json'
+
+# coat_jax param path -> (HF tensor name, transposed). '{i}': the layer.
+_TOP = {
+    ('embed',): ('model.embed_tokens.weight', False),
+    ('norm', 'scale'): ('model.norm.weight', False),
+    ('lm_head',): ('lm_head.weight', True),
+}
+_LAYER = {
+    ('attn_norm', 'scale'): ('input_layernorm.weight', False),
+    ('attn', 'q_proj', 'kernel'): ('self_attn.q_proj.weight', True),
+    ('attn', 'k_proj', 'kernel'): ('self_attn.k_proj.weight', True),
+    ('attn', 'v_proj', 'kernel'): ('self_attn.v_proj.weight', True),
+    ('attn', 'o_proj', 'kernel'): ('self_attn.o_proj.weight', True),
+    ('mlp_norm', 'scale'): ('post_attention_layernorm.weight', False),
+    ('mlp', 'gate_proj', 'kernel'): ('mlp.gate_proj.weight', True),
+    ('mlp', 'up_proj', 'kernel'): ('mlp.up_proj.weight', True),
+    ('mlp', 'down_proj', 'kernel'): ('mlp.down_proj.weight', True),
+}
+
+# LlamaConfig fields the checkpoint decides (its weights' shapes), by the
+# config.json key they come from.
+_FROM_CHECKPOINT = {
+    'vocab_size': 'vocab_size', 'hidden_size': 'hidden_size',
+    'intermediate_size': 'intermediate_size',
+    'num_layers': 'num_hidden_layers', 'num_heads': 'num_attention_heads',
+    'num_kv_heads': 'num_key_value_heads',
+    'tie_embeddings': 'tie_word_embeddings',
+}
+
+
+def _safetensors():
+  """The `safetensors` package (the 'hf' extra), imported on first use."""
+  try:
+    import safetensors.numpy  # noqa: PLC0415 (optional dependency)
+  except ImportError:
+    raise ImportError(
+        "Hugging Face checkpoints need the `safetensors` package: pip install"
+        " 'coat-jax[hf]' (or pip install safetensors).") from None
+  return safetensors
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+  """The parsed `config.json` of an HF checkpoint directory."""
+  file = os.path.join(os.fspath(path), CONFIG_FILE)
+  if not os.path.isfile(file):
+    raise FileNotFoundError(
+        f'{file}: no such file; pass a Hugging Face checkpoint directory'
+        ' (config.json and *.safetensors, e.g. from save_pretrained).')
+  with open(file) as f:
+    return json.load(f)
+
+
+def _rope(hf: dict) -> tuple[float, llama.RopeScaling | None]:
+  """(rope_theta, scaling) from transformers 4 (rope_theta, rope_scaling) or
+  5 (rope_parameters) configs."""
+  params = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
+  field = 'rope_parameters' if hf.get('rope_parameters') else 'rope_scaling'
+  theta = float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
+  kind = params.get('rope_type', params.get('type'))
+  if kind in (None, 'default'):
+    return theta, None
+  if kind != 'llama3':
+    raise ValueError(
+        f'config.json: {field}.rope_type={kind!r} is not supported; only'
+        " None, 'default' and 'llama3' are.")
+  try:
+    return theta, llama.RopeScaling(
+        factor=float(params['factor']),
+        low_freq_factor=float(params['low_freq_factor']),
+        high_freq_factor=float(params['high_freq_factor']),
+        original_max_position_embeddings=int(
+            params['original_max_position_embeddings']))
+  except KeyError as e:
+    raise ValueError(f'config.json: {field} of rope_type llama3 lacks'
+                     f' {e.args[0]!r}.') from None
+
+
+def llama_config_from_hf(hf: dict, overrides: dict | None = None, *,
+                         prefix: str = '') -> llama.LlamaConfig:
+  """The `LlamaConfig` of an HF Llama config.json dict.
+
+  Args:
+    hf: the parsed config.json.
+    overrides: LlamaConfig fields to set; those the weights decide
+      (`_FROM_CHECKPOINT`) must agree with the checkpoint.
+    prefix: prepended to override names in errors (e.g. 'model.').
+
+  Raises:
+    ValueError: an unsupported architecture (naming the config.json field)
+      or an override that conflicts with the checkpoint.
+  """
+  if hf.get('model_type') != 'llama':
+    raise ValueError(
+        f"config.json: model_type={hf.get('model_type')!r} is not supported;"
+        " only Llama ('llama': Llama 2, Llama 3) checkpoints load.")
+  for field in ('attention_bias', 'mlp_bias'):
+    if hf.get(field):
+      raise ValueError(f'config.json: {field}=true is not supported (the'
+                       ' coat_jax Llama has no biases).')
+  act = hf.get('hidden_act', 'silu')
+  if act != 'silu':
+    raise ValueError(f'config.json: hidden_act={act!r} is not supported;'
+                     " only 'silu' (SwiGLU) is.")
+  heads = hf['num_attention_heads']
+  head_dim = hf.get('head_dim')
+  if head_dim is not None and head_dim * heads != hf['hidden_size']:
+    raise ValueError(
+        f'config.json: head_dim={head_dim} is not hidden_size /'
+        f" num_attention_heads = {hf['hidden_size']} / {heads}; coat_jax"
+        ' needs head_dim * num_heads == hidden_size.')
+  theta, scaling = _rope(hf)
+  fields = dict(
+      vocab_size=hf['vocab_size'], hidden_size=hf['hidden_size'],
+      intermediate_size=hf['intermediate_size'],
+      num_layers=hf['num_hidden_layers'], num_heads=heads,
+      num_kv_heads=hf.get('num_key_value_heads') or heads,
+      max_seq_len=hf.get('max_position_embeddings', 4096),
+      rope_theta=theta, rope_scaling=scaling,
+      rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
+      tie_embeddings=bool(hf.get('tie_word_embeddings', False)))
+  for name, value in (overrides or {}).items():
+    if name in _FROM_CHECKPOINT and value != fields[name]:
+      raise ValueError(
+          f'{prefix}{name}={value!r} conflicts with the checkpoint'
+          f' (config.json {_FROM_CHECKPOINT[name]}={fields[name]!r}): its'
+          ' weights decide the model dimensions; drop the override.')
+    fields[name] = value
+  return llama.LlamaConfig(**fields)
+
+
+def hf_config(config: llama.LlamaConfig, dtype: str = 'float32') -> dict:
+  """An HF LlamaConfig dict (transformers 4 and 5 read it) for `config`."""
+  scaling = None
+  if config.rope_scaling is not None:
+    s = config.rope_scaling
+    scaling = dict(rope_type='llama3', factor=s.factor,
+                   low_freq_factor=s.low_freq_factor,
+                   high_freq_factor=s.high_freq_factor,
+                   original_max_position_embeddings=(
+                       s.original_max_position_embeddings))
+  return dict(
+      architectures=['LlamaForCausalLM'], model_type='llama',
+      vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size,
+      num_hidden_layers=config.num_layers,
+      num_attention_heads=config.num_heads,
+      num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+      max_position_embeddings=config.max_seq_len,
+      rope_theta=config.rope_theta, rope_scaling=scaling,
+      rms_norm_eps=config.rms_norm_eps,
+      tie_word_embeddings=config.tie_embeddings, hidden_act='silu',
+      attention_bias=False, mlp_bias=False, torch_dtype=dtype, dtype=dtype)
+
+
+class _Tensors:
+  """Lazy, sliceable access to the tensors of a single-file or sharded
+  safetensors checkpoint (only the slices asked for are read)."""
+
+  def __init__(self, path: str):
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+      with open(index) as f:
+        weight_map = json.load(f)['weight_map']
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+      weight_map = None
+    else:
+      raise FileNotFoundError(
+          f'{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; coat_jax reads'
+          ' safetensors checkpoints only.')
+    self._path, self._map, self._files = path, weight_map, {}
+    self._keys = {}
+    self._stack = contextlib.ExitStack()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
+
+  def release(self) -> None:
+    """Closes the open files: their mapped pages stop counting as ours."""
+    self._stack.close()
+    self._stack = contextlib.ExitStack()
+    self._files.clear()
+
+  def _file(self, name: str):
+    file = SINGLE_FILE if self._map is None else self._map.get(name)
+    if file is None:
+      raise ValueError(f'{self._path}/{INDEX_FILE} has no tensor {name!r}.')
+    if file not in self._files:
+      full = os.path.join(self._path, file)
+      if not os.path.isfile(full):
+        raise FileNotFoundError(
+            f'{full}: missing shard ({INDEX_FILE} puts {name!r} in it);'
+            ' download the complete checkpoint.')
+      handle = _safetensors().safe_open(full, framework='np')
+      self._files[file] = self._stack.enter_context(handle)
+      self._keys[file] = set(self._files[file].keys())
+    if self._map is None and name not in self._keys[file]:
+      raise ValueError(f'{self._path}/{SINGLE_FILE} has no tensor {name!r}.')
+    return self._files[file]
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._file(name).get_slice(name).get_shape())
+
+  def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    return self._file(name).get_slice(name)[index]
+
+
+def _flat(tree: dict) -> dict:
+  return {tuple(str(k.key) for k in path): leaf for path, leaf in
+          jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _unflat(flat: dict) -> dict:
+  tree = {}
+  for path, leaf in flat.items():
+    node = tree
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = leaf
+  return tree
+
+
+def _hf_names(path: tuple[str, ...], num_layers: int):
+  """([HF names], transposed, stacked) of a coat_jax param path."""
+  if path in _TOP:
+    name, transposed = _TOP[path]
+    return [name], transposed, False
+  if path[0] == 'layers' and path[1:] in _LAYER:
+    name, transposed = _LAYER[path[1:]]
+    return ([f'model.layers.{i}.{name}' for i in range(num_layers)],
+            transposed, True)
+  raise ValueError(f'no Hugging Face tensor for the param {path}.')
+
+
+def load_hf_params(path: str | os.PathLike, abstract_params: dict,
+                   shardings: dict | None = None) -> dict:
+  """Reads a checkpoint's weights into a `Llama`'s param tree.
+
+  Each HF tensor goes through `jax.make_array_from_callback`: every device
+  reads (and transposes, casts) only its own shard of it, and stacked layer
+  params are written into place layer by layer, so the host never holds
+  more than one tensor.
+
+  Args:
+    path: the checkpoint directory.
+    abstract_params: `nnx.to_pure_dict` of the model's `nnx.Param` state
+      (arrays or ShapeDtypeStructs: shapes and dtypes to produce).
+    shardings: the same tree of `jax.sharding.Sharding`s, or None (the
+      default device).
+
+  Returns:
+    The param tree, each leaf of its abstract dtype on its sharding.
+
+  Raises:
+    FileNotFoundError: no safetensors, or a shard of the index is missing.
+    ValueError: a tensor is missing or its shape does not match.
+  """
+  path = os.fspath(path)
+  with _Tensors(path) as tensors:
+    return _read_params(path, tensors, abstract_params, shardings)
+
+
+def _read_params(path: str, tensors: '_Tensors', abstract_params: dict,
+                 shardings: dict | None) -> dict:
+  flat = _flat(abstract_params)
+  flat_shardings = (_flat(shardings) if shardings is not None else {})
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  num_layers = flat[('layers', 'attn_norm', 'scale')].shape[0]
+  out = {}
+  for p, abstract in flat.items():
+    names, transposed, stacked = _hf_names(p, num_layers)
+    shape = tuple(abstract.shape[1:] if stacked else abstract.shape)
+    want = shape[::-1] if transposed else shape
+    for name in names:
+      got = tensors.shape(name)
+      if got != want:
+        raise ValueError(
+            f'{path}: tensor {name!r} has shape {got}; config.json implies'
+            f' {want} (coat_jax param {"/".join(p)} {abstract.shape}).')
+    sharding = flat_shardings.get(p, default)
+    if stacked:
+      out[p] = _stack_layers(tensors, names, transposed, abstract, sharding)
+    else:
+      out[p] = jax.make_array_from_callback(
+          shape, sharding,
+          _shard_reader(tensors, names[0], transposed, abstract.dtype))
+    tensors.release()
+  return _unflat(out)
+
+
+def _stack_layers(tensors: _Tensors, names: list[str], transposed: bool,
+                  abstract: Any, sharding: jax.sharding.Sharding):
+  """A stacked (num_layers, ...) param, written into place one layer at a
+  time, so the host holds one layer's shard, not the whole stack."""
+  shape, dtype = tuple(abstract.shape), abstract.dtype
+  layer_sharding = sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    layer_sharding = jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+  stack = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+  put = jax.jit(
+      lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(
+          stack, layer, i, 0),
+      out_shardings=sharding, donate_argnums=0)
+  for i, name in enumerate(names):
+    layer = jax.make_array_from_callback(
+        shape[1:], layer_sharding,
+        _shard_reader(tensors, name, transposed, dtype))
+    stack = put(stack, layer, i)
+    tensors.release()
+  return stack
+
+
+def _shard_reader(tensors: _Tensors, name: str, transposed: bool,
+                  dtype: Any) -> Callable:
+  """index -> that slice of the coat_jax-layout tensor `name`, as dtype."""
+  cache = {}
+
+  def read(index):
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key not in cache:  # Replicated shards read once.
+      x = tensors.read(name, tuple(index[::-1]) if transposed else index)
+      cache.clear()
+      cache[key] = np.asarray(x.T if transposed else x, dtype=dtype)
+    return cache[key]
+
+  return read
+
+
+def load_hf(path: str | os.PathLike, precision: str = 'coat', *,
+            shardings: dict | None = None, dtype: Any = jnp.bfloat16,
+            param_dtype: Any = jnp.float32,
+            implementation: str | None = None,
+            **config_overrides: Any) -> llama.Llama:
+  """A `Llama` with the weights of an HF Llama checkpoint directory.
+
+  Args:
+    path: directory with config.json and model.safetensors (or sharded
+      model-*.safetensors with model.safetensors.index.json).
+    precision: 'bf16', 'fp8_linear' or 'coat'.
+    shardings: a tree of Shardings shaped like
+      `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (e.g. the params'
+      part of `coat_jax.training.build(...).state_shardings`); None: the
+      default device.
+    dtype: activation dtype (bfloat16; float32 for exact comparisons).
+    param_dtype: parameter dtype (float32 master weights).
+    implementation: `fp8_matmul` implementation.
+    **config_overrides: other LlamaConfig fields (max_seq_len,
+      scan_layers); the weights' dimensions cannot be changed.
+
+  Returns:
+    The model, params placed per `shardings`.
+  """
+  config = llama_config_from_hf(read_hf_config(path), config_overrides)
+
+  def make():
+    with nnx.use_eager_sharding(False):
+      return llama.Llama(config, precision=precision, dtype=dtype,
+                         param_dtype=param_dtype,
+                         implementation=implementation, rngs=nnx.Rngs(0))
+
+  graphdef, abstract, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+  params = load_hf_params(path, nnx.to_pure_dict(abstract), shardings)
+  nnx.replace_by_pure_dict(abstract, params)
+  return nnx.merge(graphdef, abstract, rest)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  if not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(jax.device_get(x))
+
+
+def save_hf(model: llama.Llama, path: str | os.PathLike, *,
+            dtype: str = 'float32', max_shard_size: int = 5 * 2**30) -> None:
+  """Writes `model` as an HF Llama checkpoint that
+  `transformers.AutoModelForCausalLM.from_pretrained(path)` loads.
+
+  Args:
+    model: a `Llama`.
+    path: output directory (created; existing files of the same names are
+      replaced).
+    dtype: 'float32' or 'bfloat16' for the saved weights.
+    max_shard_size: bytes per safetensors file; larger models are sharded
+      with a model.safetensors.index.json.
+
+  In a multi-process run every process calls it (sharded params are
+  gathered one tensor at a time) and process 0 writes the files.
+  """
+  if dtype not in ('float32', 'bfloat16'):
+    raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'.")
+  if max_shard_size <= 0:
+    raise ValueError(f'max_shard_size={max_shard_size} must be positive.')
+  np_dtype = np.dtype(dtype)
+  config = model.config
+  params = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  # (HF name, param path, layer or None, HF shape), in the HF order.
+  entries = []
+  for p, x in params.items():
+    names, transposed, stacked = _hf_names(p, config.num_layers)
+    shape = tuple(x.shape[1:] if stacked else x.shape)
+    shape = shape[::-1] if transposed else shape
+    for i, name in enumerate(names):
+      entries.append((name, p, i if stacked else None, shape, transposed))
+  entries.sort(key=lambda e: e[0])
+  shards, size = [[]], 0
+  for e in entries:
+    nbytes = math.prod(e[3]) * np_dtype.itemsize
+    if shards[-1] and size + nbytes > max_shard_size:
+      shards.append([])
+      size = 0
+    shards[-1].append(e)
+    size += nbytes
+  path = os.fspath(path)
+  # Every process joins the gathers of sharded params; process 0 writes.
+  lead = jax.process_index() == 0
+  if lead:
+    os.makedirs(path, exist_ok=True)
+    for stale in (glob.glob(os.path.join(path, 'model-*-of-*.safetensors'))
+                  + [os.path.join(path, SINGLE_FILE),
+                     os.path.join(path, INDEX_FILE)]):
+      if os.path.exists(stale):
+        os.remove(stale)
+  weight_map = {}
+  for n, shard in enumerate(shards):
+    file = (SINGLE_FILE if len(shards) == 1 else
+            f'model-{n + 1:05d}-of-{len(shards):05d}.safetensors')
+    tensors = {}
+    for name, p, layer, _, transposed in shard:
+      x = params[p] if layer is None else params[p][layer]
+      x = _host(x).astype(np_dtype)
+      tensors[name] = np.ascontiguousarray(x.T if transposed else x)
+      weight_map[name] = file
+    if lead:
+      _safetensors().numpy.save_file(tensors, os.path.join(path, file),
+                                     metadata={'format': 'pt'})
+  if not lead:
+    return
+  if len(shards) > 1:
+    total = sum(math.prod(e[3]) for e in entries) * np_dtype.itemsize
+    with open(os.path.join(path, INDEX_FILE), 'w') as f:
+      json.dump({'metadata': {'total_size': total},
+                 'weight_map': weight_map}, f, indent=2)
+  with open(os.path.join(path, CONFIG_FILE), 'w') as f:
+    json.dump(hf_config(config, dtype), f, indent=2)
