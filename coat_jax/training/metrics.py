@@ -27,7 +27,7 @@ _TAGS = {
 }
 
 
-def _summary_writer(logdir: str):
+def _tensorboardx():
   try:
     import tensorboardX  # noqa: PLC0415 (optional dependency)
   except ImportError:
@@ -35,7 +35,7 @@ def _summary_writer(logdir: str):
         'train.tensorboard=true needs tensorboardX: pip install tensorboardX'
         " (or pip install -e '.[tensorboard]'), or set"
         ' train.tensorboard=false.') from None
-  return tensorboardX.SummaryWriter(logdir)
+  return tensorboardX
 
 
 class MetricsLog:
@@ -44,7 +44,9 @@ class MetricsLog:
   Args:
     run_dir: the run directory (must exist).
     write: False makes every call a no-op (processes other than 0).
-    tensorboard: also write scalars under `<run_dir>/tensorboard`.
+    tensorboard: also write scalars under `<run_dir>/tensorboard` (its
+      event file is opened by the first write, so a run that logs nothing
+      leaves none).
 
   Raises:
     ImportError: tensorboard=True without tensorboardX installed.
@@ -52,18 +54,23 @@ class MetricsLog:
 
   def __init__(self, run_dir: str, *, write: bool = True,
                tensorboard: bool = False):
+    self._path = os.path.join(run_dir, METRICS_FILE) if write else None
     self._file = None
     self._writer = None
-    if not write:
-      return
-    if tensorboard:
-      self._writer = _summary_writer(os.path.join(run_dir, TENSORBOARD_DIR))
-    self._file = open(os.path.join(run_dir, METRICS_FILE), 'a')
+    self._make_writer = None
+    if write and tensorboard:
+      module = _tensorboardx()  # Fails now, not after the first steps.
+      logdir = os.path.join(run_dir, TENSORBOARD_DIR)
+      self._make_writer = lambda: module.SummaryWriter(logdir)
 
   def write(self, step: int, **scalars: float | int | None) -> None:
     """Logs `scalars` at `step`; None values are left out."""
-    if self._file is None:
+    if self._path is None:
       return
+    if self._file is None:
+      self._file = open(self._path, 'a')
+      if self._make_writer is not None:
+        self._writer = self._make_writer()
     record = {'step': step, **{k: v for k, v in scalars.items()
                                if v is not None}}
     self._file.write(json.dumps(record) + '\n')

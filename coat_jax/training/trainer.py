@@ -233,6 +233,14 @@ def _peak_memory() -> int | None:
   return stats.get('peak_bytes_in_use')
 
 
+def restore_state(setup: Setup, checkpointer: Checkpointer, step: int):
+  """The train state saved at `step`, placed with `setup`'s shardings."""
+  template = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      setup.abstract_state, setup.state_shardings)
+  return checkpointer.restore(step, template)
+
+
 def train(config: config_lib.Config, devices=None) -> dict:
   """Trains (or resumes) per `config`; returns the final summary.
 
@@ -265,10 +273,7 @@ def train(config: config_lib.Config, devices=None) -> dict:
     if resumed_from is None:
       state = setup.init_state()
     else:
-      template = jax.tree.map(
-          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          setup.abstract_state, setup.state_shardings)
-      state = checkpointer.restore(resumed_from, template)
+      state = restore_state(setup, checkpointer, resumed_from)
     batch_sharding = sharding.batch_sharding(setup.mesh)
     seq, bs = config.data.seq_len, t.batch_size
 
