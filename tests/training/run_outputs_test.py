@@ -221,3 +221,18 @@ def test_plot_labels_and_errors(tmp_path, monkeypatch, capsys):
   monkeypatch.setitem(sys.modules, 'matplotlib', None)
   with pytest.raises(ImportError, match='pip install matplotlib'):
     plot.plot_runs([a], str(tmp_path / 'y.png'))
+
+
+def test_config_json_round_trips():
+  from coat_jax import training  # noqa: PLC0415
+  from coat_jax.training import config as config_lib  # noqa: PLC0415
+  config = training.apply_overrides(training.Config(), [
+      'optim.moment_dtypes=e5m2,e4m3', 'data.paths=a.txt,b.txt',
+      'train.tensorboard=true', 'model.hidden_size=96'])
+  values = json.loads(json.dumps(config_lib.to_dict(config)))
+  assert config_lib.from_dict(values) == config
+  del values['train']['sample_prompt']  # written before the field existed
+  assert config_lib.from_dict(values).train.sample_prompt == 'def '
+  values['train']['typo'] = 1
+  with pytest.raises(ValueError, match=r"train: unknown fields \['typo'\]"):
+    config_lib.from_dict(values)
