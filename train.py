@@ -7,6 +7,7 @@
 
 import argparse
 import os
+import shlex
 import sys
 
 
@@ -73,8 +74,8 @@ def _complete_message(summary: dict, argv) -> str:
       shown.append(f'{name} {value:{fmt}} (step {step})')
   step = summary['step']
   args = sys.argv[1:] if argv is None else list(argv)
-  command = ' '.join(['python train.py', *args, '--set',
-                      f'train.steps={2 * step}'])
+  command = shlex.join(['python', 'train.py', *args, '--set',
+                        f'train.steps={2 * step}'])
   return (f"the run in {summary['run_dir']} is complete: its checkpoint is at"
           f" step {step}, train.steps={summary['train_steps']}; nothing to"
           ' train.\n'

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import struct
 import sys
 
@@ -143,7 +144,10 @@ def test_rerunning_a_finished_run_reports_it(finished):
   assert 'step 3, train.steps=3' in again
   assert f"train loss {last['loss'][1]:.4f} (step 3)" in again
   assert f"validation loss {last['val_loss'][1]:.4f} (step 3)" in again
-  assert 'python train.py ' + ' '.join(argv) + ' --set train.steps=6' in again
+  command = shlex.join(['python', 'train.py', *argv, '--set',
+                        'train.steps=6'])
+  assert "'train.sample_prompt=import '" in command  # quoted for a shell
+  assert command in again
   # The rerun wrote nothing new.
   with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
     assert sum(1 for _ in f) == 4  # 3 training lines, 1 validation line
