@@ -42,7 +42,7 @@ class MetricsLog:
   """Appends records to metrics.jsonl and, if asked, to TensorBoard.
 
   Args:
-    run_dir: the run directory (must exist).
+    run_dir: the run directory (must exist by the first write).
     write: False makes every call a no-op (processes other than 0).
     tensorboard: also write scalars under `<run_dir>/tensorboard` (its
       event file is opened by the first write, so a run that logs nothing

@@ -253,16 +253,17 @@ def train(config: config_lib.Config, devices=None) -> dict:
   ends with `summary['sample']`, a greedy continuation of train.sample_prompt
   (None when train.sample_tokens=0 or the data has no tokenizer).
   """
-  setup = build(config, devices)
   t = config.train
+  lead = jax.process_index() == 0
+  # One process writes the log; every process computes the same metrics.
+  # Made first: a missing tensorboardX fails before any compilation.
+  log = metrics_lib.MetricsLog(t.run_dir, write=lead,
+                               tensorboard=t.tensorboard)
+  setup = build(config, devices)
   dataset = data_lib.load_dataset(config.data,
                                   llama_config(config.model).vocab_size)
   tokenizer = tokenizer_lib.for_data(config.data)
   os.makedirs(t.run_dir, exist_ok=True)
-  lead = jax.process_index() == 0
-  # One process writes the log; every process computes the same metrics.
-  log = metrics_lib.MetricsLog(t.run_dir, write=lead,
-                               tensorboard=t.tensorboard)
   if lead:
     with open(os.path.join(t.run_dir, 'config.json'), 'w') as f:
       json.dump(config_lib.to_dict(config), f, indent=2)

@@ -136,6 +136,16 @@ def test_tensorboard_without_tensorboardx_says_what_to_install(
   metrics_lib.MetricsLog(str(tmp_path)).close()  # off: not needed
 
 
+def test_train_without_tensorboardx_fails_before_compiling(
+    tiny_config, monkeypatch):
+  from coat_jax import training  # noqa: PLC0415
+  from coat_jax.training import trainer  # noqa: PLC0415
+  monkeypatch.setitem(sys.modules, 'tensorboardX', None)
+  monkeypatch.setattr(trainer, 'build', None)  # never reached
+  with pytest.raises(ImportError, match='or set train.tensorboard=false'):
+    training.train(tiny_config(train={'tensorboard': True}))
+
+
 def test_rerunning_a_finished_run_reports_it(finished):
   run_dir, argv, first, again, _ = finished
   last = metrics_lib.latest(metrics_lib.read_metrics(run_dir))
