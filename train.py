@@ -7,6 +7,7 @@
 
 import argparse
 import os
+import shlex
 import sys
 
 
@@ -42,10 +43,15 @@ def main(argv=None) -> int:
     config = training.apply_overrides(training.load_config(args.config),
                                       args.set)
     summary = training.train(config)
-  except (ValueError, TypeError, FileNotFoundError,
+  except (ValueError, TypeError, FileNotFoundError, ImportError,
           training.NonFiniteError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  if summary['complete']:
+    print(_complete_message(summary, argv))
+    return 0
+  if summary['sample'] is not None:
+    print(f"sample (greedy): {summary['sample']!r}")
   mem = summary['peak_memory_bytes']
   print(f"done: step {summary['step']}, train loss {summary['train_loss']:.4f},"
         f" validation loss {summary['val_loss']:.4f},"
@@ -54,6 +60,29 @@ def main(argv=None) -> int:
         + f", skipped non-finite steps {summary['nonfinite_steps']};"
         f" run dir {summary['run_dir']}")
   return 130 if summary['interrupted'] else 0
+
+
+def _complete_message(summary: dict, argv) -> str:
+  """What a rerun of a finished run says: its last metrics, how to go on."""
+  last = summary['last_recorded']
+  shown = []
+  for key, name, fmt in (('loss', 'train loss', '.4f'),
+                         ('val_loss', 'validation loss', '.4f'),
+                         ('tokens_per_s', 'tokens/s', ',.0f')):
+    if key in last:
+      step, value = last[key]
+      shown.append(f'{name} {value:{fmt}} (step {step})')
+  step = summary['step']
+  args = sys.argv[1:] if argv is None else list(argv)
+  command = shlex.join(['python', 'train.py', *args, '--set',
+                        f'train.steps={2 * step}'])
+  return (f"the run in {summary['run_dir']} is complete: its checkpoint is at"
+          f" step {step}, train.steps={summary['train_steps']}; nothing to"
+          ' train.\n'
+          '  last recorded: ' + (', '.join(shown) or 'no metrics in'
+                                 ' metrics.jsonl') + '\n'
+          f'  to train further, raise train.steps (the cosine schedule is'
+          f' recomputed for the new length): {command}')
 
 
 if __name__ == '__main__':

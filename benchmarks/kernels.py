@@ -7,9 +7,7 @@ written) as the ceiling; each op's effective GB/s (the logical bytes it must
 read and write, each once) for the Pallas kernel and the XLA reference on
 >= 1 GiB working sets; the optimizer step in ms per 2^28 params for the fused
 Pallas step, the XLA COAT step (coat_adamw + apply_updates under one jit) and
-optax.adamw (float32 moments), all with donated state. Rows marked 'old'
-time the same ops with the group math from before issue 5
-(`old_group_math.py`), for an A/B comparison in one run. Timing: wall clock
+optax.adamw (float32 moments), all with donated state. Timing: wall clock
 around N calls closed by block_until_ready, after warm-up; the median of 5
 repeats (the copy warms the GPU for 3 s first, each later op for 1 s).
 """
@@ -34,11 +32,9 @@ from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.quantize_per_tensor import pallas_triton as tensor_pallas
 from pallas_kernels.quantize_per_tensor import reference as tensor_reference
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from old_group_math import old_group_math  # noqa: E402
-
-# (impl label suffix, context the op is traced and timed in)
-MATH = (('', contextlib.nullcontext), (' old', old_group_math))
+# (impl label suffix, context the op is traced and timed in). The rows of the
+# group math from before issue 5 ('old') were retired with old_group_math.py.
+MATH = (('', contextlib.nullcontext),)
 
 LOG2_N = int(os.environ.get('BENCH_LOG2_N', 28))  # smaller: dry runs only
 N_PARAMS = 1 << LOG2_N
@@ -173,8 +169,6 @@ def bench_group(results, quick):
     results.append(dict(name=label, impl='xla', bytes=nbytes,
                         s=time_call(ref, (x,))))
     runs = [(bs, '', contextlib.nullcontext) for bs in configs]
-    if exp:
-      runs += [(configs[0], *MATH[1])]
     for bs, suffix, codec in runs:
       f = jax.jit(functools.partial(
           group_pallas.quantize_per_group, group_size=g, dtype=fmt,
@@ -199,7 +193,7 @@ def bench_group(results, quick):
               for t, w in ((1024, 4), (2048, 8))]
   runs = [(bs, '', contextlib.nullcontext)
           for bs in (dconfigs[:1] if quick else dconfigs)]
-  for bs, suffix, codec in runs + [(dconfigs[0], *MATH[1])]:
+  for bs, suffix, codec in runs:
     f = jax.jit(functools.partial(
         group_pallas.dequantize_per_group, group_size=128, block_sizes=bs))
     with codec():
@@ -319,7 +313,7 @@ def bench_adam(results, quick):
     configs += [adam_pallas.BlockSizes(num_warps=w, target=t)
                 for t, w in ((256, 2), (512, 2), (512, 4), (1024, 8),
                              (2048, 4), (2048, 8))]
-  runs = [(bs, *MATH[0]) for bs in configs] + [(configs[0], *MATH[1])]
+  runs = [(bs, *MATH[0]) for bs in configs]
   for bs, suffix, codec in runs:
     state = fused_state(fresh())
     with codec():

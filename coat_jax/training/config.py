@@ -99,6 +99,13 @@ class TrainConfig:
   run_dir: str = 'runs/default'
   on_nonfinite: str = 'skip'  # or 'stop'
   progress_bar: bool = True
+  # Also write the metrics as TensorBoard scalars under run_dir/tensorboard
+  # (needs tensorboardX).
+  tensorboard: bool = False
+  # A greedy sample of this many tokens continuing sample_prompt ends a run
+  # that trained (0: none); byte-level or data.tokenizer text only.
+  sample_tokens: int = 64
+  sample_prompt: str = 'def '
 
 
 @dataclasses.dataclass
@@ -235,6 +242,11 @@ def validate(config: Config, num_devices: int) -> None:
     section, field = name.split('.')
     if getattr(getattr(config, section), field) <= 0:
       raise ValueError(f'{name} must be positive.')
+  if t.sample_tokens < 0:
+    raise ValueError('train.sample_tokens must be >= 0 (0: no sample).')
+  if t.sample_tokens and not t.sample_prompt:
+    raise ValueError('train.sample_prompt is empty: give some text to'
+                     ' continue, or set train.sample_tokens=0.')
   if t.checkpoint_every < 0:
     raise ValueError('train.checkpoint_every must be >= 0 (0: only on'
                      ' Ctrl-C).')
@@ -312,3 +324,32 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 def to_dict(config: Config) -> dict:
   """A JSON-ready dict of the config."""
   return dataclasses.asdict(config)
+
+
+def from_dict(values: dict) -> Config:
+  """The Config of `to_dict` output (e.g. a run's config.json); fields it
+  lacks (written by an older version) keep their defaults.
+
+  Raises:
+    ValueError: an unknown section or field.
+  """
+  sections = {}
+  for section in dataclasses.fields(Config):
+    cls = section.default_factory
+    given = dict(values.get(section.name, {}))
+    unknown = set(given) - set(_field_names(cls))
+    if unknown:
+      raise ValueError(f'{section.name}: unknown fields {sorted(unknown)}.')
+    hints = typing.get_type_hints(cls)
+    for name, value in given.items():
+      if isinstance(value, list) and _is_tuple(hints[name]):
+        given[name] = tuple(value)
+    sections[section.name] = cls(**given)
+  unknown = set(values) - set(sections)
+  if unknown:
+    raise ValueError(f'unknown config sections {sorted(unknown)}.')
+  return Config(**sections)
+
+
+def _is_tuple(annotation: Any) -> bool:
+  return typing.get_origin(annotation) is tuple

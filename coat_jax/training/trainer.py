@@ -19,9 +19,12 @@ import tqdm
 from coat_jax import optim
 from coat_jax.models import hf
 from coat_jax.models import llama
+from coat_jax.models import sampling
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
+from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import sharding
+from coat_jax.training import tokenizer as tokenizer_lib
 from coat_jax.training.checkpoints import Checkpointer
 
 
@@ -253,32 +256,48 @@ def _peak_memory() -> int | None:
   return stats.get('peak_bytes_in_use')
 
 
+def restore_state(setup: Setup, checkpointer: Checkpointer, step: int):
+  """The train state saved at `step`, placed with `setup`'s shardings."""
+  template = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      setup.abstract_state, setup.state_shardings)
+  return checkpointer.restore(step, template)
+
+
 def train(config: config_lib.Config, devices=None) -> dict:
   """Trains (or resumes) per `config`; returns the final summary.
 
-  Writes `<run_dir>/config.json`, `<run_dir>/metrics.jsonl` and checkpoints
-  under `<run_dir>/checkpoints`. Ctrl-C saves a checkpoint and returns with
-  `summary['interrupted'] = True`.
+  Writes `<run_dir>/config.json`, `<run_dir>/metrics.jsonl` (and TensorBoard
+  scalars with train.tensorboard) and checkpoints under
+  `<run_dir>/checkpoints`. Ctrl-C saves a checkpoint and returns with
+  `summary['interrupted'] = True`. A run whose checkpoint already reached
+  train.steps trains nothing: `summary['complete']` is True and the losses
+  and tokens/s are the last ones metrics.jsonl recorded. A run that trained
+  ends with `summary['sample']`, a greedy continuation of train.sample_prompt
+  (None when train.sample_tokens=0 or the data has no tokenizer).
   """
-  setup = build(config, devices)
   t = config.train
-  dataset = data_lib.load_dataset(data_config(config),
-                                  llama_config(config.model).vocab_size)
-  os.makedirs(t.run_dir, exist_ok=True)
   lead = jax.process_index() == 0
+  # One process writes the log; every process computes the same metrics.
+  # Made first: a missing tensorboardX fails before any compilation.
+  log = metrics_lib.MetricsLog(t.run_dir, write=lead,
+                               tensorboard=t.tensorboard)
+  setup = build(config, devices)
+  data = data_config(config)
+  dataset = data_lib.load_dataset(data, llama_config(config.model).vocab_size)
+  tokenizer = tokenizer_lib.for_data(data)
+  os.makedirs(t.run_dir, exist_ok=True)
   if lead:
     with open(os.path.join(t.run_dir, 'config.json'), 'w') as f:
       json.dump(config_lib.to_dict(config), f, indent=2)
+  learning_rate = _adamw_args(config)['learning_rate']
   checkpointer = Checkpointer(t.run_dir, config)
   resumed_from = checkpointer.latest_step()
   with jax.set_mesh(setup.mesh):
     if resumed_from is None:
       state = setup.init_state()
     else:
-      template = jax.tree.map(
-          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          setup.abstract_state, setup.state_shardings)
-      state = checkpointer.restore(resumed_from, template)
+      state = restore_state(setup, checkpointer, resumed_from)
     batch_sharding = sharding.batch_sharding(setup.mesh)
     seq, bs = config.data.seq_len, t.batch_size
 
@@ -291,13 +310,13 @@ def train(config: config_lib.Config, devices=None) -> dict:
                 for i in range(t.eval_batches)]
       return float(np.mean(jax.device_get(losses)))
 
-    # One process writes the log; every process computes the same metrics.
-    log = (open(os.path.join(t.run_dir, 'metrics.jsonl'), 'a') if lead
-           else open(os.devnull, 'w'))
-    step = int(state['step'])
+    step = start_step = int(state['step'])
     bar = tqdm.tqdm(total=t.steps, initial=step, disable=not (
-        lead and t.progress_bar), dynamic_ncols=True, desc='train')
+        lead and t.progress_bar) or step >= t.steps, dynamic_ncols=True,
+                    desc='train')
     summary = {'resumed_from': resumed_from, 'interrupted': False,
+               'complete': step >= t.steps, 'train_steps': t.steps,
+               'sample': None,
                'train_loss': math.nan, 'val_loss': math.nan,
                'tokens_per_s': math.nan}
     recent, tick, tick_step = [], time.perf_counter(), step
@@ -318,26 +337,26 @@ def train(config: config_lib.Config, devices=None) -> dict:
           tok_s = (step - tick_step) * bs * seq / (now - tick)
           tick, tick_step = now, step
           recent.append(float(metrics['loss']))
-          record = {'step': step, 'loss': float(metrics['loss']),
-                    'grad_norm': float(metrics['grad_norm']),
-                    'tokens_per_s': tok_s,
-                    'nonfinite_steps': int(state['nonfinite'])}
-          log.write(json.dumps(record) + '\n')
-          log.flush()
-          bar.set_postfix(loss=f'{record["loss"]:.3f}',
-                          tok_s=f'{tok_s:,.0f}')
+          log.write(step, loss=float(metrics['loss']),
+                    grad_norm=float(metrics['grad_norm']),
+                    learning_rate=float(learning_rate(step - 1)),
+                    tokens_per_s=tok_s,
+                    nonfinite_steps=int(state['nonfinite']),
+                    peak_memory_bytes=_peak_memory())
+          bar.set_postfix(loss=f'{recent[-1]:.3f}', tok_s=f'{tok_s:,.0f}')
           summary['tokens_per_s'] = tok_s
         if step % t.eval_every == 0 or step == t.steps:
           val = evaluate()
           summary['val_loss'] = val
-          log.write(json.dumps({'step': step, 'val_loss': val}) + '\n')
-          log.flush()
+          log.write(step, val_loss=val)
           bar.write(f'step {step}: validation loss {val:.4f}')
         if t.checkpoint_every and (step % t.checkpoint_every == 0
                                    or step == t.steps):
           _save(checkpointer, step, state)
       if ctrl_c.pressed:
         raise KeyboardInterrupt
+      if step > start_step and t.sample_tokens and tokenizer is not None:
+        summary['sample'] = _sample(setup, state['params'], tokenizer, t)
     except KeyboardInterrupt:
       summary['interrupted'] = True
       _save(checkpointer, int(state['step']), state, wait=True)
@@ -352,7 +371,35 @@ def train(config: config_lib.Config, devices=None) -> dict:
       step=int(state['step']), nonfinite_steps=int(state['nonfinite']),
       train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
       peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir))
+  if summary['complete']:
+    summary.update(_last_recorded(t.run_dir))
   return summary
+
+
+def _sample(setup: Setup, params: Any, tokenizer: Any,
+            t: config_lib.TrainConfig) -> str:
+  """train.sample_prompt continued greedily by train.sample_tokens."""
+  model = nnx.merge(setup.graphdef, params)
+  prompt = tokenizer.encode(t.sample_prompt)
+  room = model.config.max_seq_len - len(prompt)
+  new = sampling.generate(model, prompt, min(t.sample_tokens, max(room, 0)),
+                          vocab_limit=tokenizer.vocab_size)
+  return t.sample_prompt + tokenizer.decode(new)
+
+
+def _last_recorded(run_dir: str) -> dict:
+  """The summary's metrics from what metrics.jsonl last recorded (a
+  finished run trains nothing, so it measures nothing new)."""
+  try:
+    last = metrics_lib.latest(metrics_lib.read_metrics(run_dir))
+  except FileNotFoundError:
+    last = {}
+  out = {'last_recorded': last}
+  for key, summary_key in (('loss', 'train_loss'), ('val_loss', 'val_loss'),
+                           ('tokens_per_s', 'tokens_per_s')):
+    if key in last:
+      out[summary_key] = last[key][1]
+  return out
 
 
 class _CtrlC:

@@ -28,7 +28,7 @@ def tiny_config(corpus, tmp_path):
     config.train = training.TrainConfig(
         steps=3, batch_size=8, log_every=1, eval_every=100, eval_batches=1,
         checkpoint_every=100, run_dir=str(tmp_path / 'run'),
-        progress_bar=False)
+        progress_bar=False, sample_tokens=0)
     config.optim.warmup_steps = 1
     for section, fields in sections.items():
       for k, v in fields.items():
