@@ -12,6 +12,8 @@ from optax._src import numerics
 
 from coat_jax import quant
 from coat_jax.optim import moments
+from pallas_kernels import _common
+from pallas_kernels.coat_adam_update import api as update_op
 
 _MOMENT_DTYPES = ('e4m3', 'e5m2', 'float32')
 
@@ -97,6 +99,7 @@ def scale_by_coat_adam(
     group_size: int = 128,
     moment_dtypes: tuple[str, str] = ('e4m3', 'e4m3'),
     expansion: bool = True,
+    implementation: str | None = None,
 ) -> optax.GradientTransformation:
   """Rescales updates by Adam, keeping both moments in FP8 (COAT).
 
@@ -117,12 +120,22 @@ def scale_by_coat_adam(
     moment_dtypes: formats of (m, v): each 'e4m3', 'e5m2' or 'float32';
       ('float32', 'float32') is exactly `optax.scale_by_adam`.
     expansion: use COAT's dynamic range expansion for FP8 moments.
+    implementation: how FP8 moments are updated: None (the fastest
+      available: one Pallas pass per leaf on one Hopper GPU, the jnp
+      reference elsewhere), 'xla' (the reference), or 'pallas' (interpreted
+      off GPU, for tests). The Pallas kernel may differ from the reference
+      by float rounding (see `pallas_kernels.coat_adam_update`).
 
   Returns:
     An `optax.GradientTransformation` with `ScaleByCoatAdamState`.
   """
   group_size = _check_group_size(group_size)
   mu_dtype, nu_dtype = _check_moment_dtypes(moment_dtypes)
+  if implementation not in _common.IMPLEMENTATIONS:
+    raise ValueError(
+        f'implementation={implementation!r} must be one of'
+        f' {_common.IMPLEMENTATIONS}: None picks the fastest available.')
+  fused = 'float32' not in (mu_dtype, nu_dtype)
   quantize_mu = _quantizer(mu_dtype, group_size, expansion)
   quantize_nu = _quantizer(nu_dtype, group_size, expansion)
 
@@ -161,6 +174,10 @@ def scale_by_coat_adam(
 
   def _adam_leaf(g, mu, nu, count):
     """(update, new mu, new nu) of one leaf: optax's scale_by_adam math."""
+    if fused:  # the same math, and one Pallas pass per leaf on a GPU
+      return update_op.coat_adam_update(
+          g, mu, nu, count, b1=b1, b2=b2, eps=eps, group_size=group_size,
+          expansion=expansion, implementation=implementation)
     m = optax.tree.update_moment(g, _dequantize(mu), b1, 1)
     v = optax.tree.update_moment_per_elem_norm(g, _dequantize(nu), b2, 2)
     m_hat = optax.tree.bias_correction(m, b1, count)
@@ -181,6 +198,7 @@ def coat_adamw(
     group_size: int = 128,
     moment_dtypes: tuple[str, str] = ('e4m3', 'e4m3'),
     expansion: bool = True,
+    implementation: str | None = None,
 ) -> optax.GradientTransformation:
   """AdamW with FP8 moments (COAT), a drop-in for `optax.adamw`.
 
@@ -199,6 +217,9 @@ def coat_adamw(
     group_size: static quantization group size along each param's last axis.
     moment_dtypes: formats of (m, v): 'e4m3', 'e5m2' or 'float32'.
     expansion: use COAT's dynamic range expansion for FP8 moments.
+    implementation: None (fastest available), 'xla' or 'pallas', as for
+      `scale_by_coat_adam`. Weight decay and the learning rate stay in the
+      chain, where XLA fuses them with `optax.apply_updates`.
 
   Returns:
     An `optax.GradientTransformation`.
@@ -206,7 +227,7 @@ def coat_adamw(
   return optax.chain(
       scale_by_coat_adam(
           b1, b2, eps, group_size=group_size, moment_dtypes=moment_dtypes,
-          expansion=expansion),
+          expansion=expansion, implementation=implementation),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
