@@ -17,7 +17,8 @@ PALLAS_IS_DEFAULT = True
 def coat_adam_update(
     grad: jax.Array, mu: Any, nu: Any, count: jax.Array, *, b1: Any = 0.9,
     b2: Any = 0.999, eps: Any = 1e-8, group_size: int = 128,
-    expansion: bool = True, implementation: str | None = None
+    expansion: bool = True, implementation: str | None = None,
+    approx: bool = True
 ) -> tuple[jax.Array, Any, Any]:
   """One COAT Adam update of one leaf: (direction, new mu, new nu).
 
@@ -35,6 +36,10 @@ def coat_adam_update(
     group_size: the moments' group size (static).
     expansion: whether the moments use dynamic range expansion (static).
     implementation: None (fastest available), 'xla' or 'pallas'.
+    approx: the compiled GPU kernel's group math uses the approximate
+      lg2/ex2 instructions (faster; FP8 moments within a code step or two of
+      the reference's in rare elements). False: the reference's exact ops.
+      Interpreted kernels always use exact ops.
 
   Returns:
     (float32 direction of grad's shape, new_mu, new_nu).
@@ -59,7 +64,8 @@ def coat_adam_update(
     from pallas_kernels.coat_adam_step import pallas_triton  # pylint: disable=g-import-not-at-top
     u, m2, v2 = pallas_triton.coat_adam_update(
         grad, m, v, reference.hyperparams(count, b1, b2, eps),
-        group_size=group_size, expansion=expansion, interpret=interpret)
+        group_size=group_size, expansion=expansion, interpret=interpret,
+        approx=approx)
   else:
     u, m2, v2 = reference.coat_adam_update(
         grad, m, v, count, b1=b1, b2=b2, eps=eps, group_size=group_size,
