@@ -153,9 +153,9 @@ def _assert_close_to_reference(out, ref):
   u, mu, nu = out
   u_ref, mu_ref, nu_ref = ref
   u, u_ref = np.asarray(u), np.asarray(u_ref)
-  # The direction comes from the unquantized moments: only division and
-  # sqrt rounding differ (the decoder's exp feeds m and v: ~1e-6 relative).
-  np.testing.assert_allclose(u, u_ref, rtol=2e-5, atol=1e-12)
+  # The direction comes from the unquantized moments, decoded with the
+  # approximate exp (~2 ulp): relative 1e-4, or 1e-5 where m cancels.
+  np.testing.assert_allclose(u, u_ref, rtol=1e-4, atol=1e-5)
   for new, want in ((mu, mu_ref), (nu, nu_ref)):
     diff = np.abs(_codes(new.values) - _codes(want.values))
     # Codes within 2 steps, in at most 1% of the elements.
