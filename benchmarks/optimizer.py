@@ -1,6 +1,7 @@
 """The optimizer step per 2^28 float32 params: optax paths against optax.adamw.
 
-  PYTHONPATH=. python benchmarks/optimizer.py [--quick] [--out results.jsonl]
+  PYTHONPATH=. python benchmarks/optimizer.py [--quick] [--sweep] [--only NAME ...]
+      [--out results.jsonl]
 
 In one run, on 16 leaves of 4096 x 4096 float32 params (2^28), each variant
 jitted with params and state donated: optax.adamw + apply_updates (the
@@ -14,19 +15,22 @@ optax.adamw's time, the state's bytes per param, and a correctness column:
 after 3 steps from the same params and gradients, max |p - p_ref| / max
 |p_ref - p0| against the variant's reference (the 'xla' coat_adamw for the
 COAT rows, the float32 inner optimizer for fp8_states), so a broken kernel
-cannot post a good time.
+cannot post a good time. --sweep adds the coat_adamw kernel with other tiles
+(`pallas_triton.UPDATE_BLOCK_SIZES`) to pick its default.
 """
 
 import argparse
 import json
 import os
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import coat_jax
+from pallas_kernels.coat_adam_step import pallas_triton as adam_pallas
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import time_call  # noqa: E402
@@ -131,6 +135,9 @@ def main():
                       help='fewer timed runs (same sizes, same warm-up)')
   parser.add_argument('--out', help='append the results as JSON lines')
   parser.add_argument('--only', nargs='*', help='variant names to run')
+  parser.add_argument(
+      '--sweep', action='store_true',
+      help='also time the coat_adamw kernel with other tiles of the update')
   args = parser.parse_args()
   print(f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
         f'{LEAVES} x {SIDE}x{SIDE} float32 params')
@@ -142,26 +149,47 @@ def main():
   finals = {}
   results = []
   names = args.only or list(VARIANTS)
-  for name in names:
-    make, ref_name = VARIANTS[name]
-    step, init = make()
-    # Correctness first, on the same shapes as the timed step.
-    finals[name] = _run_steps(step, init, params, g, CHECK_STEPS)
-    err = None
-    if ref_name is not None:
-      if ref_name not in finals:
-        ref_step, ref_init = VARIANTS[ref_name][0]()
-        finals[ref_name] = _run_steps(ref_step, ref_init, params, g,
-                                      CHECK_STEPS)
-      err = _rel_diff(finals[name], finals[ref_name], params)
-    carry = init(jax.tree.map(jnp.copy, params))
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves(carry[1])) / n
-    s = time_call(jax.jit(step, donate_argnums=0), None, carry=(carry, g),
-                  **timing)
-    del carry
-    results.append(dict(name=name, ms=s * 1e3, state_bytes_per_param=(
-        state_bytes), check_vs=ref_name, rel_diff=err))
-    print(f'  {name:34s} {s * 1e3:8.3f} ms', flush=True)
+  runs = [(name, None) for name in names]
+  if args.sweep:
+    runs += [('coat_adamw kernel (None)', adam_pallas.BlockSizes(
+        target=t, num_warps=w)) for t, w in ((512, 2), (2048, 2), (2048, 4),
+                                             (4096, 4), (4096, 8))]
+  for name, tiles in runs:
+    if tiles is not None:
+      with mock.patch.object(adam_pallas, 'UPDATE_BLOCK_SIZES', tiles):
+        jax.clear_caches()
+        _measure(name + f' {tiles.target}/{tiles.num_warps}w',
+                 VARIANTS[name], params, g, n, finals, results, timing)
+      jax.clear_caches()
+    else:
+      _measure(name, VARIANTS[name], params, g, n, finals, results, timing)
+  _report(results, args)
+
+
+def _measure(name, variant, params, g, n, finals, results, timing):
+  """Checks the variant against its reference, then times it."""
+  make, ref_name = variant
+  step, init = make()
+  # Correctness first, on the same shapes as the timed step.
+  finals[name] = _run_steps(step, init, params, g, CHECK_STEPS)
+  err = None
+  if ref_name is not None:
+    if ref_name not in finals:
+      ref_step, ref_init = VARIANTS[ref_name][0]()
+      finals[ref_name] = _run_steps(ref_step, ref_init, params, g,
+                                    CHECK_STEPS)
+    err = _rel_diff(finals[name], finals[ref_name], params)
+  carry = init(jax.tree.map(jnp.copy, params))
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(carry[1])) / n
+  s = time_call(jax.jit(step, donate_argnums=0), None, carry=(carry, g),
+                **timing)
+  del carry
+  results.append(dict(name=name, ms=s * 1e3, state_bytes_per_param=(
+      state_bytes), check_vs=ref_name, rel_diff=err))
+  print(f'  {name:34s} {s * 1e3:8.3f} ms', flush=True)
+
+
+def _report(results, args):
   base = next((r['ms'] for r in results if r['name'] == 'optax.adamw'), None)
   print(f'\n{"variant":34s} {"ms":>8s} {"x adamw":>8s} {"B/param":>8s}'
         f'  check (max |p - ref| / max |ref - p0| after {CHECK_STEPS} steps)')

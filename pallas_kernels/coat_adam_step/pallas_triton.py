@@ -39,6 +39,11 @@ class BlockSizes(_common.GroupBlockSizes):
   num_warps: int = 2
 
 
+# The update's tiles (no param: 12 bytes per element moved instead of 16);
+# the step's until benchmarks/optimizer.py --sweep says otherwise.
+UPDATE_BLOCK_SIZES = BlockSizes()
+
+
 def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
             apply_weight_decay, mu_meta, nu_meta, ops, with_param):
   k = 3 if expansion else 2  # refs per moment: values, scale[, exponent]
@@ -184,12 +189,14 @@ def coat_adam_step(
 def coat_adam_update(
     grad: jax.Array, mu: reference.Moment, nu: reference.Moment,
     hp: dict[str, jax.Array], *, group_size: int, expansion: bool,
-    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
+    block_sizes: BlockSizes | None = None, interpret: bool = False,
     approx: bool = True
 ) -> tuple[jax.Array, reference.Moment, reference.Moment]:
   """Pallas version of `coat_adam_update.reference.coat_adam_update` given
-  its hyperparams: (float32 direction, new mu, new nu); moments in place."""
+  its hyperparams: (float32 direction, new mu, new nu); moments in place.
+  `block_sizes` None: `UPDATE_BLOCK_SIZES` (read when traced)."""
   return _fused_call(
       None, grad, mu, nu, hp, True, group_size=group_size,
       expansion=expansion, apply_weight_decay=False,
-      block_sizes=block_sizes, interpret=interpret, approx=approx)
+      block_sizes=block_sizes or UPDATE_BLOCK_SIZES, interpret=interpret,
+      approx=approx)
