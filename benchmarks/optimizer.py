@@ -1,7 +1,7 @@
 """The optimizer step per 2^28 float32 params: optax paths against optax.adamw.
 
-  PYTHONPATH=. python benchmarks/optimizer.py [--quick] [--sweep] [--only NAME ...]
-      [--out results.jsonl]
+  PYTHONPATH=. python benchmarks/optimizer.py [--quick] [--sweep]
+      [--only NAME ...] [--out results.jsonl]
 
 In one run, on 16 leaves of 4096 x 4096 float32 params (2^28), each variant
 jitted with params and state donated: optax.adamw + apply_updates (the
