@@ -6,6 +6,7 @@ from coat_jax import optim
 from coat_jax import quant
 from coat_jax.optim import ScaleByCoatAdamState
 from coat_jax.optim import coat_adamw
+from coat_jax.optim import fp8_states
 from coat_jax.optim import scale_by_coat_adam
 from coat_jax.quant import QuantizedArray
 from coat_jax.quant import dequantize
@@ -16,6 +17,7 @@ __version__ = '0.1.0'
 
 __all__ = [
     'QuantizedArray', 'ScaleByCoatAdamState', 'coat_adamw', 'dequantize',
+    'fp8_states',
     'models', 'nn', 'optim', 'quant', 'quantize_per_group',
     'quantize_per_tensor', 'scale_by_coat_adam',
 ]

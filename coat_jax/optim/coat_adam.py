@@ -11,6 +11,9 @@ import optax
 from optax._src import numerics
 
 from coat_jax import quant
+from coat_jax.optim import moments
+from pallas_kernels import _common
+from pallas_kernels.coat_adam_update import api as update_op
 
 _MOMENT_DTYPES = ('e4m3', 'e5m2', 'float32')
 
@@ -64,24 +67,16 @@ def _check_floating(tree: Any, argname: str) -> None:
 
 
 def _is_moment(x: Any) -> bool:
-  return isinstance(x, quant.QuantizedArray)
+  return moments.is_moment(x)
 
 
-def _check_updates_match(updates: Any, moments: Any) -> None:
-  expected = jax.tree.structure(moments, is_leaf=_is_moment)
-  got = jax.tree.structure(updates)
-  if got != expected:
-    raise ValueError(
-        'The updates (gradients) do not have the tree structure of the params'
-        f' this optimizer state was initialized with.\n  params: {expected}\n'
-        f'  updates: {got}\nPass gradients of the same params to update, or'
-        ' re-run tx.init on the new params.')
-  leaves = jax.tree.leaves(moments, is_leaf=_is_moment)
-  for (path, g), m in zip(jax.tree_util.tree_leaves_with_path(updates), leaves):
-    if jnp.shape(g) != m.shape:
+def _check_updates_match(updates: Any, mus: list) -> None:
+  """Raises unless each leaf of `updates` has its moment's shape."""
+  for (path, g), m in zip(jax.tree_util.tree_leaves_with_path(updates), mus):
+    if jnp.shape(g) != jnp.shape(m):
       raise ValueError(
           f'updates{jax.tree_util.keystr(path)} has shape {jnp.shape(g)} but'
-          f' the param it updates has shape {m.shape}: the gradients must'
+          f' the param it updates has shape {jnp.shape(m)}: the gradients must'
           ' match the params passed to tx.init.')
 
 
@@ -104,6 +99,7 @@ def scale_by_coat_adam(
     group_size: int = 128,
     moment_dtypes: tuple[str, str] = ('e4m3', 'e4m3'),
     expansion: bool = True,
+    implementation: str | None = None,
 ) -> optax.GradientTransformation:
   """Rescales updates by Adam, keeping both moments in FP8 (COAT).
 
@@ -124,12 +120,22 @@ def scale_by_coat_adam(
     moment_dtypes: formats of (m, v): each 'e4m3', 'e5m2' or 'float32';
       ('float32', 'float32') is exactly `optax.scale_by_adam`.
     expansion: use COAT's dynamic range expansion for FP8 moments.
+    implementation: how FP8 moments are updated: None (the fastest
+      available: one Pallas pass per leaf on one Hopper GPU, the jnp
+      reference elsewhere), 'xla' (the reference), or 'pallas' (interpreted
+      off GPU, for tests). The Pallas kernel may differ from the reference
+      by float rounding (see `pallas_kernels.coat_adam_update`).
 
   Returns:
     An `optax.GradientTransformation` with `ScaleByCoatAdamState`.
   """
   group_size = _check_group_size(group_size)
   mu_dtype, nu_dtype = _check_moment_dtypes(moment_dtypes)
+  if implementation not in _common.IMPLEMENTATIONS:
+    raise ValueError(
+        f'implementation={implementation!r} must be one of'
+        f' {_common.IMPLEMENTATIONS}: None picks the fastest available.')
+  fused = 'float32' not in (mu_dtype, nu_dtype)
   quantize_mu = _quantizer(mu_dtype, group_size, expansion)
   quantize_nu = _quantizer(nu_dtype, group_size, expansion)
 
@@ -148,22 +154,35 @@ def scale_by_coat_adam(
   def update_fn(updates, state, params=None):
     del params
     _check_floating(updates, 'updates')
-    _check_updates_match(updates, state.mu)
-    updates = optax.tree.cast(updates, jnp.float32)
-    mu = jax.tree.map(_dequantize, state.mu, is_leaf=_is_moment)
-    nu = jax.tree.map(_dequantize, state.nu, is_leaf=_is_moment)
-    mu = optax.tree.update_moment(updates, mu, b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(updates, nu, b2, 2)
+    treedef = jax.tree.structure(updates)
+    # The moments may come back in other containers (nnx.Optimizer hands
+    # them back as nnx State mappings): pair them with the updates by the
+    # params' tree, and return each new moment in the container it came in.
+    old_mu = moments.per_param(updates, state.mu)
+    old_nu = moments.per_param(updates, state.nu)
+    as_q = lambda m: moments.as_quantized(m, group_size)
+    mus, nus = [as_q(m) for m in old_mu], [as_q(v) for v in old_nu]
+    _check_updates_match(updates, mus)
+    gs = [g.astype(jnp.float32) for g in treedef.flatten_up_to(updates)]
     count_inc = numerics.safe_increment(state.count)
-    mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
-    updates = jax.tree.map(
-        lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
-    return updates, ScaleByCoatAdamState(
-        count=count_inc,
-        mu=jax.tree.map(quantize_mu, mu),
-        nu=jax.tree.map(quantize_nu, nu),
-    )
+    out = [_adam_leaf(g, m, v, count_inc) for g, m, v in zip(gs, mus, nus)]
+    new_mu = [moments.like(o[1], m) for o, m in zip(out, old_mu)]
+    new_nu = [moments.like(o[2], v) for o, v in zip(out, old_nu)]
+    return treedef.unflatten([o[0] for o in out]), ScaleByCoatAdamState(
+        count=count_inc, mu=treedef.unflatten(new_mu),
+        nu=treedef.unflatten(new_nu))
+
+  def _adam_leaf(g, mu, nu, count):
+    """(update, new mu, new nu) of one leaf: optax's scale_by_adam math."""
+    if fused:  # the same math, and one Pallas pass per leaf on a GPU
+      return update_op.coat_adam_update(
+          g, mu, nu, count, b1=b1, b2=b2, eps=eps, group_size=group_size,
+          expansion=expansion, implementation=implementation)
+    m = optax.tree.update_moment(g, _dequantize(mu), b1, 1)
+    v = optax.tree.update_moment_per_elem_norm(g, _dequantize(nu), b2, 2)
+    m_hat = optax.tree.bias_correction(m, b1, count)
+    v_hat = optax.tree.bias_correction(v, b2, count)
+    return m_hat / (jnp.sqrt(v_hat) + eps), quantize_mu(m), quantize_nu(v)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -179,6 +198,7 @@ def coat_adamw(
     group_size: int = 128,
     moment_dtypes: tuple[str, str] = ('e4m3', 'e4m3'),
     expansion: bool = True,
+    implementation: str | None = None,
 ) -> optax.GradientTransformation:
   """AdamW with FP8 moments (COAT), a drop-in for `optax.adamw`.
 
@@ -197,6 +217,9 @@ def coat_adamw(
     group_size: static quantization group size along each param's last axis.
     moment_dtypes: formats of (m, v): 'e4m3', 'e5m2' or 'float32'.
     expansion: use COAT's dynamic range expansion for FP8 moments.
+    implementation: None (fastest available), 'xla' or 'pallas', as for
+      `scale_by_coat_adam`. Weight decay and the learning rate stay in the
+      chain, where XLA fuses them with `optax.apply_updates`.
 
   Returns:
     An `optax.GradientTransformation`.
@@ -204,7 +227,7 @@ def coat_adamw(
   return optax.chain(
       scale_by_coat_adam(
           b1, b2, eps, group_size=group_size, moment_dtypes=moment_dtypes,
-          expansion=expansion),
+          expansion=expansion, implementation=implementation),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

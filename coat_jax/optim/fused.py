@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import optax
 from optax._src import numerics
 
+from coat_jax.optim import moments
 from coat_jax.optim.coat_adam import ScaleByCoatAdamState
-from coat_jax.optim.coat_adam import _is_moment
 from pallas_kernels.coat_adam_step import api as fused_step
 
 
@@ -67,9 +67,11 @@ def fused_coat_adamw(
     else:
       decay = mask(params) if callable(mask) else mask
     treedef = jax.tree.structure(params)
-    mus = treedef.flatten_up_to(adam.mu)
-    nus = treedef.flatten_up_to(adam.nu)
-    if not all(_is_moment(m) for m in mus + nus):
+    old_mu = moments.per_param(params, adam.mu)
+    old_nu = moments.per_param(params, adam.nu)
+    as_q = lambda m: moments.as_quantized(m, group_size)
+    mus, nus = [as_q(m) for m in old_mu], [as_q(v) for v in old_nu]
+    if not all(moments.is_moment(m) for m in mus + nus):
       raise ValueError('fused_coat_adamw needs FP8 moments in both slots'
                        ' (moment_dtypes without "float32").')
     out = [
@@ -79,11 +81,14 @@ def fused_coat_adamw(
             expansion=expansion, apply=apply_if,
             implementation=implementation)
         for p, g, m, v, d in zip(
-            jax.tree.leaves(params), treedef.flatten_up_to(grads), mus, nus,
-            treedef.flatten_up_to(decay), strict=True)]
-    new = lambda i: treedef.unflatten([o[i] for o in out])
+            jax.tree.leaves(params), moments.per_param(params, grads), mus,
+            nus, treedef.flatten_up_to(decay), strict=True)]
+    new = lambda i, old: treedef.unflatten(
+        [moments.like(o[i], m) for o, m in zip(out, old)])
     kept_count = jnp.where(apply_if, count, adam.count)
-    return new(0), (ScaleByCoatAdamState(kept_count, new(1), new(2)),
+    params = treedef.unflatten([o[0] for o in out])
+    return params, (ScaleByCoatAdamState(
+        kept_count, new(1, old_mu), new(2, old_nu)),
                     decay_state, lr_state)
 
   return apply

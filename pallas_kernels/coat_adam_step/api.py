@@ -36,7 +36,7 @@ def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: Any, nu: Any, count: jax.Array,
     *, learning_rate: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
     weight_decay: Any = None, group_size: int = 128, expansion: bool = True,
-    apply: Any = True, implementation: str | None = None
+    apply: Any = True, implementation: str | None = None, approx: bool = True
 ) -> tuple[jax.Array, Any, Any]:
   """One COAT AdamW step on one leaf: new (param, mu, nu), in one pass.
 
@@ -62,6 +62,10 @@ def coat_adam_step(
       skipped step: non-finite gradients). Unlike a `jnp.where` after the
       step, it keeps the Pallas kernel in place: no copy of the old state.
     implementation: None (fastest available), 'xla' or 'pallas'.
+    approx: the compiled GPU kernel's group math uses the approximate
+      lg2/ex2 instructions (faster; FP8 moments within a code step or two of
+      the reference's in rare elements). False: the reference's exact ops.
+      Interpreted kernels always use exact ops.
 
   Returns:
     (new_param, new_mu, new_nu).
@@ -95,7 +99,7 @@ def coat_adam_step(
         param, grad, m, v, hp, apply, group_size=group_size,
         expansion=expansion,
         apply_weight_decay=not reference._no_decay(weight_decay),
-        interpret=interpret)
+        interpret=interpret, approx=approx)
   else:
     p, m2, v2 = reference.coat_adam_step(
         param, grad, m, v, count, learning_rate=learning_rate, b1=b1, b2=b2,

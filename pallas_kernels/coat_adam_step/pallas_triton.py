@@ -3,10 +3,14 @@
 One pass per leaf: each program reads a (block_rows, block_cols) tile of the
 param, the gradient and the FP8 codes of m and v with their per-group scale
 and exponent, and writes the new param, codes and metadata in place
+(`coat_adam_step`); without the param, it writes the Adam direction to a new
+array and the moments in place (`coat_adam_update`, the optax path)
 (`input_output_aliases`: under `jax.jit` with donated state nothing is
 copied). block_cols is a multiple of the group size, so a tile holds whole
 groups. The arithmetic is `reference.update` and the group math of
-`quantize_per_group.reference`, with correctly rounded division and sqrt.
+`quantize_per_group.reference`; compiled, its log and exp are the GPU's
+approximate instructions (see `kernel_ops`), so the FP8 moments are held to
+tolerances of the reference, not its bits.
 """
 
 import dataclasses
@@ -35,15 +39,22 @@ class BlockSizes(_common.GroupBlockSizes):
   num_warps: int = 2
 
 
+# The update's tiles (no param: 12 bytes per element moved instead of 16);
+# the step's until benchmarks/optimizer.py --sweep says otherwise.
+UPDATE_BLOCK_SIZES = BlockSizes()
+
+
 def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
-            apply_weight_decay, mu_meta, nu_meta, ops):
+            apply_weight_decay, mu_meta, nu_meta, ops, with_param):
   k = 3 if expansion else 2  # refs per moment: values, scale[, exponent]
-  ins, outs = refs[:2 + 2 * k], refs[2 + 2 * k:]
-  p_ref, g_ref = ins[:2]
-  mu_in, nu_in = ins[2:2 + k], ins[2 + k:]
-  p_out, mu_out, nu_out = outs[0], outs[1:1 + k], outs[1 + k:]
+  n_in = (2 if with_param else 1) + 2 * k
+  ins, outs = refs[:n_in], refs[n_in:]
+  p_ref = ins[0] if with_param else None
+  g_ref, moment_refs = ins[n_in - 2 * k - 1], ins[n_in - 2 * k:]
+  mu_in, nu_in = moment_refs[:k], moment_refs[k:]
+  x_out, mu_out, nu_out = outs[0], outs[1:1 + k], outs[1 + k:]
   _, mask, gmask = _common.group_tile(
-      p_ref.shape, ncb, rows, cols, group_size)
+      g_ref.shape, ncb, rows, cols, group_size)
   hp = {name: hp_ref[n] for n, name in enumerate(_HP_NAMES)}
 
   def encode(x, q_refs, meta):
@@ -53,37 +64,43 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
     group_pallas.store_groups(x, q_refs, mask, gmask, group_size, dtype,
                               expansion, scale_dtype, ops)
 
-  # A skipped step writes nothing: the aliased outputs keep the inputs.
-  @pl.when(hp_ref[_APPLY] != 0)
-  def _():
-    p = _common.masked_load(p_ref, mask, 0.0)
+  def step():
     g = _common.masked_load(g_ref, mask, 0.0)
     load_moment = lambda q_refs, meta: group_pallas.load_groups(
         q_refs, mask, gmask, group_size, meta[0], ops)
     m, v = load_moment(mu_in, mu_meta), load_moment(nu_in, nu_meta)
-    p, m, v = reference.update(p, g, m, v, hp, apply_weight_decay, ops)
-    pltriton.store(p_out, p.astype(p_out.dtype), mask=mask)
+    if with_param:  # the new param
+      p = _common.masked_load(p_ref, mask, 0.0)
+      x, m, v = reference.update(p, g, m, v, hp, apply_weight_decay, ops)
+    else:  # the Adam direction m_hat / (sqrt(v_hat) + eps)
+      x, m, v = reference.direction(g, m, v, hp, ops)
+    pltriton.store(x_out, x.astype(x_out.dtype), mask=mask)
     encode(m, mu_out, mu_meta)
     encode(v, nu_out, nu_meta)
 
+  if with_param:
+    # A skipped step writes nothing: the aliased outputs keep the inputs.
+    pl.when(hp_ref[_APPLY] != 0)(step)
+  else:
+    step()
 
-@functools.partial(
-    jax.jit,
-    static_argnames=('group_size', 'expansion', 'apply_weight_decay',
-                     'block_sizes', 'interpret'))
-def coat_adam_step(
-    param: jax.Array, grad: jax.Array, mu: reference.Moment,
-    nu: reference.Moment, hp: dict[str, jax.Array],
-    apply: jax.Array | bool = True, *, group_size: int,
-    expansion: bool, apply_weight_decay: bool,
-    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
-) -> tuple[jax.Array, reference.Moment, reference.Moment]:
-  """Pallas version of `reference.coat_adam_step` given its hyperparams.
 
-  With `apply` False (a bool scalar) no program writes: param and moments
-  come back as given, in place.
-  """
-  shape = param.shape
+def kernel_ops(interpret: bool, approx: bool) -> _common.Ops:
+  """The kernels' ops: compiled with `approx`, the group math's log and exp
+  are the GPU's approximate instructions (lg2.approx, ex2.approx: on the H100
+  the fused step went from 2.04 to ~1.63 ms per 2^28 params, RESULTS.md
+  "Ceiling"); interpreted, the reference's own ops."""
+  ops = _common.kernel_ops(interpret)
+  return ops if interpret or not approx else (
+      _common.approx_transcendentals(ops))
+
+
+def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
+                apply_weight_decay, block_sizes, interpret, approx):
+  """The pallas_call of both ops: with `param` the step (param, moments
+  updated in place), with param None the update (the Adam direction as a new
+  float32 array, moments in place)."""
+  shape = grad.shape
   rows, cols = _common.as_2d(shape)
   ngt = pl.cdiv(cols, group_size)
   br, bc = block_sizes.resolve(rows, cols, group_size)
@@ -99,10 +116,11 @@ def coat_adam_step(
       leaves.append(q.exponent.reshape(rows, ngt))
     return leaves
 
-  args = [param.reshape(rows, cols), grad.reshape(rows, cols),
-          *flat(mu), *flat(nu)]
+  with_param = param is not None
+  lead = [param.reshape(rows, cols)] if with_param else []
+  args = [*lead, grad.reshape(rows, cols), *flat(mu), *flat(nu)]
   moment_specs = [tile, gtile] + ([gtile] if expansion else [])
-  in_specs = [tile, tile, *moment_specs, *moment_specs]
+  in_specs = [tile] * len(lead) + [tile, *moment_specs, *moment_specs]
   hp_vec = jnp.stack([hp[n] for n in _HP_NAMES]
                      + [jnp.asarray(apply, jnp.float32)]
                      + [jnp.float32(0)] * (15 - len(_HP_NAMES)))
@@ -111,19 +129,24 @@ def coat_adam_step(
       expansion=expansion, apply_weight_decay=apply_weight_decay,
       mu_meta=(mu.values.dtype, mu.scale.dtype),
       nu_meta=(nu.values.dtype, nu.scale.dtype),
-      ops=_common.kernel_ops(interpret))
+      ops=kernel_ops(interpret, approx), with_param=with_param)
+  first = 1 + len(lead) + 1  # operand of the first moment leaf (hp is 0)
+  n_moment = 2 * len(moment_specs)
+  # Moments (and the param) are updated in place; the direction is new.
+  aliases = {first + n: 1 + n for n in range(n_moment)}
+  if with_param:
+    aliases[1] = 0
+  x_dtype = param.dtype if with_param else jnp.float32
   outs = pl.pallas_call(
       kernel, grid=grid,
       in_specs=[pl.BlockSpec((16,), lambda p: (0,)), *in_specs],
       out_specs=[tile, *moment_specs, *moment_specs],
-      out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype)
-                 for a in [args[0], *args[2:]]],
-      # Operand 0 is hp; params and moments are updated in place.
-      input_output_aliases={1: 0, **{3 + n: 1 + n
-                                     for n in range(len(args) - 2)}},
+      out_shape=[jax.ShapeDtypeStruct((rows, cols), x_dtype)]
+      + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[-n_moment:]],
+      input_output_aliases=aliases,
       interpret=interpret,
       compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
-      name='coat_adam_step',
+      name='coat_adam_step' if with_param else 'coat_adam_update',
   )(hp_vec, *args)
   k = len(moment_specs)
   sshape = group_reference.scale_shape(shape, group_size)
@@ -134,3 +157,46 @@ def coat_adam_step(
         leaves[2].reshape(sshape) if expansion else None)
 
   return outs[0].reshape(shape), unflat(outs[1:1 + k]), unflat(outs[1 + k:])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=('group_size', 'expansion', 'apply_weight_decay',
+                     'block_sizes', 'interpret', 'approx'))
+def coat_adam_step(
+    param: jax.Array, grad: jax.Array, mu: reference.Moment,
+    nu: reference.Moment, hp: dict[str, jax.Array],
+    apply: jax.Array | bool = True, *, group_size: int,
+    expansion: bool, apply_weight_decay: bool,
+    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
+    approx: bool = True
+) -> tuple[jax.Array, reference.Moment, reference.Moment]:
+  """Pallas version of `reference.coat_adam_step` given its hyperparams.
+
+  With `apply` False (a bool scalar) no program writes: param and moments
+  come back as given, in place. `approx`: see `kernel_ops`.
+  """
+  return _fused_call(
+      param, grad, mu, nu, hp, apply, group_size=group_size,
+      expansion=expansion, apply_weight_decay=apply_weight_decay,
+      block_sizes=block_sizes, interpret=interpret, approx=approx)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=('group_size', 'expansion', 'block_sizes', 'interpret',
+                     'approx'))
+def coat_adam_update(
+    grad: jax.Array, mu: reference.Moment, nu: reference.Moment,
+    hp: dict[str, jax.Array], *, group_size: int, expansion: bool,
+    block_sizes: BlockSizes | None = None, interpret: bool = False,
+    approx: bool = True
+) -> tuple[jax.Array, reference.Moment, reference.Moment]:
+  """Pallas version of `coat_adam_update.reference.coat_adam_update` given
+  its hyperparams: (float32 direction, new mu, new nu); moments in place.
+  `block_sizes` None: `UPDATE_BLOCK_SIZES` (read when traced)."""
+  return _fused_call(
+      None, grad, mu, nu, hp, True, group_size=group_size,
+      expansion=expansion, apply_weight_decay=False,
+      block_sizes=block_sizes or UPDATE_BLOCK_SIZES, interpret=interpret,
+      approx=approx)

@@ -57,16 +57,28 @@ def hyperparams(
       neg_lr=f32(-1 * learning_rate))
 
 
+def direction(
+    g: jax.Array, m: jax.Array, v: jax.Array, hp: dict[str, jax.Array],
+    ops: _common.Ops = _common.XLA_OPS
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Adam on dequantized moments: (m_hat / (sqrt(v_hat) + eps), m, v) new.
+
+  optax's `scale_by_adam` arithmetic, operation for operation.
+  """
+  m = hp['c1'] * g + hp['b1'] * m
+  v = hp['c2'] * (g * g) + hp['b2'] * v
+  v_hat = ops.div_scalar(v, hp['bc2'])
+  u = ops.div2(m, hp['bc1'], ops.sqrt(v_hat) + hp['eps'])  # m_hat / den
+  return u, m, v
+
+
 def update(
     p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array,
     hp: dict[str, jax.Array], apply_weight_decay: bool,
     ops: _common.Ops = _common.XLA_OPS
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The float32 AdamW arithmetic on dequantized moments: (p, m, v) new."""
-  m = hp['c1'] * g + hp['b1'] * m
-  v = hp['c2'] * (g * g) + hp['b2'] * v
-  v_hat = ops.div_scalar(v, hp['bc2'])
-  u = ops.div2(m, hp['bc1'], ops.sqrt(v_hat) + hp['eps'])  # m_hat / den
+  u, m, v = direction(g, m, v, hp, ops)
   if apply_weight_decay:
     u = u + hp['wd'] * p
   return p + hp['neg_lr'] * u, m, v

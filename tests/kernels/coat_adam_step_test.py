@@ -56,18 +56,21 @@ def _assert_param_close(new, ref, old):
   assert np.all(err <= np.where(nan, 0, tol)), err.max()
 
 
-def _assert_moment_close(new, ref, max_frac=2e-3):
-  """Codes move by at most one step in max_frac of the elements."""
+def _assert_moment_close(new, ref, max_frac=2e-3, max_step=1):
+  """Codes move by at most `max_step` steps in max_frac of the elements;
+  scales by 4 ulps (the group max); exponents by one step of 1/16."""
   nan_ref = np.isnan(np.atleast_1d(ref.values.astype(jnp.float32)))
   diff = np.atleast_1d(np.abs(_codes(new.values) - _codes(ref.values)))
   diff[nan_ref] = 0
-  assert diff.max(initial=0) <= 1 and (diff > 0).mean() <= max_frac, (
+  assert diff.max(initial=0) <= max_step and (diff > 0).mean() <= max_frac, (
       diff.max(initial=0), (diff > 0).mean())
   finite = np.isfinite(np.asarray(ref.scale))
   assert _ulps(np.asarray(new.scale)[finite],
                np.asarray(ref.scale)[finite]).max(initial=0) <= 4
   if ref.exponent is not None:
-    assert (np.asarray(new.exponent != ref.exponent)[finite]).mean() <= 0.02
+    step = np.abs(np.asarray(new.exponent) - np.asarray(ref.exponent))
+    assert step[finite].max(initial=0) <= 1 / 16 + 1e-6
+    assert (step[finite] > 0).mean() <= 0.02
 
 
 def _grads(shape, seed):
@@ -87,7 +90,8 @@ def _spec_step(tx):
 
 
 def _run(shape, implementation, *, weight_decay=0.1, expansion=True,
-         moment_dtypes=('e4m3', 'e4m3'), steps=3, lr=1e-2, exact=False):
+         moment_dtypes=('e4m3', 'e4m3'), steps=3, lr=1e-2, exact=False,
+         moment_tol=None):
   rng = np.random.default_rng(0)
   p = {'w': jnp.asarray(rng.standard_normal(shape), jnp.float32)}
   tx = coat_jax.coat_adamw(lr, weight_decay=weight_decay,
@@ -114,8 +118,8 @@ def _run(shape, implementation, *, weight_decay=0.1, expansion=True,
           np.testing.assert_array_equal(a.exponent, b.exponent)
     else:
       _assert_param_close(new_p, p_ref['w'], p['w'])
-      _assert_moment_close(mu, ref_mu)
-      _assert_moment_close(nu, ref_nu)
+      _assert_moment_close(mu, ref_mu, **(moment_tol or {}))
+      _assert_moment_close(nu, ref_nu, **(moment_tol or {}))
     p, state = p_ref, state_ref
 
 
@@ -145,7 +149,7 @@ def _bits(a):
 
 
 def _assert_step_is_reference(shape, moment_dtypes, expansion=True,
-                              steps=3, param_atol=0.0):
+                              steps=3, param_atol=0.0, approx=False):
   """The Pallas step equals the jitted reference step bit for bit (the
   param within `param_atol`)."""
   rng = np.random.default_rng(1)
@@ -157,7 +161,8 @@ def _assert_step_is_reference(shape, moment_dtypes, expansion=True,
   ref = jax.jit(lambda *a, hp: reference.coat_adam_step(
       *a, **hp, expansion=expansion))
   fused = jax.jit(lambda *a, hp: api.coat_adam_step(
-      *a, **hp, expansion=expansion, implementation='pallas'))
+      *a, **hp, expansion=expansion, implementation='pallas',
+      approx=approx))
   for step in range(steps):
     g = _grads(shape, step)
     want = ref(p, g, mu, nu, jnp.int32(step + 1), hp=hp)
@@ -238,7 +243,10 @@ def test_validation():
 @pytest.mark.gpu
 @pytest.mark.parametrize('shape', [(1024, 4096), (37, 1000), (4097,)])
 def test_gpu_kernel_matches_coat_adamw(shape):
-  _run(shape, 'pallas', steps=4)
+  """The kernel as it runs (approximate lg2/ex2 in the group math): codes
+  within 2 steps in at most 1% of the elements, every exponent within one
+  step, scales within 4 ulps, params within 4 ulps + 1e-4 of the update."""
+  _run(shape, 'pallas', steps=4, moment_tol=dict(max_frac=1e-2, max_step=2))
 
 
 @pytest.mark.gpu
@@ -250,5 +258,6 @@ def test_gpu_kernel_matches_coat_adamw(shape):
 def test_gpu_kernel_is_xla_reference_bit_for_bit(shape, moment_dtypes):
   """The compiled kernel and the reference compiled by XLA: the same bits,
   params included (XLA's GPU simplifier turns the bias-corrected ratio
-  (m / bc1) / den into m / (bc1 den); the kernel divides so too)."""
+  (m / bc1) / den into m / (bc1 den); the kernel divides so too). With
+  exact log and exp (approx=False)."""
   _assert_step_is_reference(shape, moment_dtypes, steps=4)

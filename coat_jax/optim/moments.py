@@ -1,0 +1,86 @@
+"""FP8 moments in whatever container a framework hands them back in.
+
+A moment leaf of an optimizer state is a `quant.QuantizedArray`, but it does
+not always come back as one: `nnx.Optimizer.update` stores the new state with
+`nnx.update(opt_state, nnx.state(new_state))`, and `nnx.state` turns every
+pytree node it meets, the `QuantizedArray` dataclass included, into an nnx
+`State` mapping {'exponent', 'scale', 'values'}. The next update then gets
+those mappings. So the optimizers pair params with moments by flattening the
+state *up to the params' tree*, read each moment by its field names from
+whatever holds it, and return the new moment in that same container (optax's
+`MultiSteps`, `apply_if_finite` and `lax.cond` need the state's structure to
+stay the same from step to step).
+"""
+
+from typing import Any
+
+import jax
+
+from coat_jax import quant
+
+_FIELDS = ('values', 'scale', 'exponent')
+
+
+def _name(key: Any) -> str:
+  for attr in ('name', 'key', 'idx'):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def is_moment(x: Any) -> bool:
+  return isinstance(x, quant.QuantizedArray)
+
+
+def _is_array_leaf(x: Any) -> bool:
+  return jax.tree_util.all_leaves([x])
+
+
+def mismatch_error(updates: Any, state_tree: Any, what: str) -> ValueError:
+  return ValueError(
+      f'The updates (gradients) do not have the tree structure of the params'
+      f' this optimizer state was initialized with.\n  {what}:'
+      f' {jax.tree.structure(state_tree, is_leaf=is_moment)}\n  updates:'
+      f' {jax.tree.structure(updates)}\nPass gradients of the same params to'
+      ' update, or re-run tx.init on the new params.')
+
+
+def per_param(updates: Any, state_tree: Any, what: str = 'params') -> list:
+  """The subtrees of `state_tree` (a tree mirroring the params) that belong to
+  each leaf of `updates`, in `jax.tree.leaves(updates)` order.
+
+  Raises:
+    ValueError: the trees do not match (naming both structures).
+  """
+  try:
+    return jax.tree.structure(updates).flatten_up_to(state_tree)
+  except (ValueError, TypeError):
+    raise mismatch_error(updates, state_tree, what) from None
+
+
+def as_quantized(x: Any, group_size: int | None) -> Any:
+  """`x` as a `QuantizedArray` if it is an FP8 moment in any container
+  (a QuantizedArray, an nnx State or a dict of values/scale[/exponent]);
+  anything else (a float32 moment) is returned as is."""
+  if is_moment(x) or _is_array_leaf(x):
+    return x
+  leaves = jax.tree_util.tree_leaves_with_path(x)
+  fields = {_name(path[-1]): leaf for path, leaf in leaves if path}
+  if (len(fields) != len(leaves) or not set(fields) <= set(_FIELDS)
+      or not {'values', 'scale'} <= set(fields)):
+    raise ValueError(
+        f'A moment of the optimizer state is a {type(x).__name__} with'
+        f' fields {sorted(fields)}; expected a QuantizedArray (or a mapping of'
+        f' its fields {_FIELDS}). Was the state built by this optimizer?')
+  return quant.QuantizedArray(fields['values'], fields['scale'],
+                              fields.get('exponent'), group_size)
+
+
+def like(new: Any, old: Any) -> Any:
+  """The new moment `new` (a QuantizedArray or an array) in `old`'s
+  container: unchanged when `old` is a QuantizedArray or an array."""
+  if is_moment(old) or _is_array_leaf(old):
+    return new
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(old)
+  return treedef.unflatten([getattr(new, _name(path[-1]))
+                            for path, _ in leaves])
