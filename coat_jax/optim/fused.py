@@ -32,7 +32,8 @@ def fused_coat_adamw(
     expansion: bool = True,
     implementation: str | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-  """`apply(grads, state, params, apply_if=True) -> (new_params, new_state)`.
+  """`apply(grads, state, params, apply_if=True, grad_scale=1.0) ->
+  (new_params, new_state)`.
 
   The state is that of `coat_adamw(...)` with the same arguments (FP8
   moments in both slots); the result equals `tx.update` followed by
@@ -47,10 +48,12 @@ def fused_coat_adamw(
   `apply_if` (a bool scalar, e.g. whether the gradients are finite) False
   skips the step: params and state come back unchanged, count included. The
   kernel then writes nothing, so it stays in place, where a `jnp.where` on
-  its results would keep the old state alive and copy it.
+  its results would keep the old state alive and copy it. `grad_scale` (a
+  float32 scalar) multiplies the gradients inside the pass: global-norm
+  clipping as `min(1, max_norm / norm)` without writing scaled gradients.
   """
 
-  def apply(grads, state, params, apply_if=True):
+  def apply(grads, state, params, apply_if=True, grad_scale=1.0):
     adam, decay_state, lr_state = state
     if not isinstance(adam, ScaleByCoatAdamState):
       raise TypeError('state must come from coat_adamw(...).init, got'
@@ -79,7 +82,7 @@ def fused_coat_adamw(
             p, g, m, v, count, learning_rate=lr, b1=b1, b2=b2, eps=eps,
             weight_decay=weight_decay if d else None, group_size=group_size,
             expansion=expansion, apply=apply_if,
-            implementation=implementation)
+            implementation=implementation, grad_scale=grad_scale)
         for p, g, m, v, d in zip(
             jax.tree.leaves(params), moments.per_param(params, grads), mus,
             nus, treedef.flatten_up_to(decay), strict=True)]

@@ -36,7 +36,8 @@ def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: Any, nu: Any, count: jax.Array,
     *, learning_rate: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
     weight_decay: Any = None, group_size: int = 128, expansion: bool = True,
-    apply: Any = True, implementation: str | None = None, approx: bool = True
+    apply: Any = True, implementation: str | None = None, approx: bool = True,
+    grad_scale: Any = 1.0
 ) -> tuple[jax.Array, Any, Any]:
   """One COAT AdamW step on one leaf: new (param, mu, nu), in one pass.
 
@@ -66,6 +67,9 @@ def coat_adam_step(
       lg2/ex2 instructions (faster; FP8 moments within a code step or two of
       the reference's in rare elements). False: the reference's exact ops.
       Interpreted kernels always use exact ops.
+    grad_scale: a float32 scalar the gradient is multiplied by first (e.g.
+      global-norm clipping's min(1, max_norm / norm), folded into the pass
+      so that no scaled copy of the gradients is written).
 
   Returns:
     (new_param, new_mu, new_nu).
@@ -94,7 +98,7 @@ def coat_adam_step(
   if impl == 'pallas' and fusable:
     from pallas_kernels.coat_adam_step import pallas_triton
     hp = reference.hyperparams(
-        count, learning_rate, b1, b2, eps, weight_decay)
+        count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
     p, m2, v2 = pallas_triton.coat_adam_step(
         param, grad, m, v, hp, apply, group_size=group_size,
         expansion=expansion,
@@ -104,5 +108,5 @@ def coat_adam_step(
     p, m2, v2 = reference.coat_adam_step(
         param, grad, m, v, count, learning_rate=learning_rate, b1=b1, b2=b2,
         eps=eps, weight_decay=weight_decay, group_size=group_size,
-        expansion=expansion, apply=apply)
+        expansion=expansion, apply=apply, grad_scale=grad_scale)
   return p, _rebuild(mu, m2), _rebuild(nu, v2)

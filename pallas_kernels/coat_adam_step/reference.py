@@ -38,7 +38,7 @@ class Moment(NamedTuple):
 
 def hyperparams(
     count: jax.Array, learning_rate: Any, b1: Any, b2: Any, eps: Any,
-    weight_decay: Any
+    weight_decay: Any, grad_scale: Any = 1.0
 ) -> dict[str, jax.Array]:
   """The float32 scalars of a step, computed as optax computes them.
 
@@ -48,13 +48,15 @@ def hyperparams(
     learning_rate: the learning rate of this step (a schedule already
       evaluated at optax's count, i.e. count - 1).
     b1, b2, eps, weight_decay: floats or float32 scalars.
+    grad_scale: the gradient is multiplied by it first (global-norm
+      clipping folded into the pass; 1 leaves it exactly as it is).
   """
   f32 = lambda v: jnp.asarray(v, jnp.float32)
   return dict(
       c1=f32(1 - b1), b1=f32(b1), c2=f32(1 - b2), b2=f32(b2),
       bc1=f32(1 - b1**count), bc2=f32(1 - b2**count), eps=f32(eps),
       wd=f32(0.0 if weight_decay is None else weight_decay),
-      neg_lr=f32(-1 * learning_rate))
+      neg_lr=f32(-1 * learning_rate), gscale=f32(grad_scale))
 
 
 def direction(
@@ -63,8 +65,10 @@ def direction(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Adam on dequantized moments: (m_hat / (sqrt(v_hat) + eps), m, v) new.
 
-  optax's `scale_by_adam` arithmetic, operation for operation.
+  optax's `scale_by_adam` arithmetic, operation for operation, on the
+  gradient times hp['gscale'] (exact when it is 1).
   """
+  g = g * hp['gscale']
   m = hp['c1'] * g + hp['b1'] * m
   v = hp['c2'] * (g * g) + hp['b2'] * v
   v_hat = ops.div_scalar(v, hp['bc2'])
@@ -88,13 +92,15 @@ def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: Moment, nu: Moment,
     count: jax.Array, *, learning_rate: Any, b1: Any = 0.9, b2: Any = 0.999,
     eps: Any = 1e-8, weight_decay: Any = None, group_size: int = 128,
-    expansion: bool = True, apply: Any = True
+    expansion: bool = True, apply: Any = True, grad_scale: Any = 1.0
 ) -> tuple[jax.Array, Moment, Moment]:
   """One fused COAT AdamW step for one leaf, in jnp (see module doc).
 
-  With `apply` False (a bool scalar) param and moments come back unchanged.
+  With `apply` False (a bool scalar) param and moments come back unchanged;
+  the gradient is multiplied by `grad_scale` first.
   """
-  hp = hyperparams(count, learning_rate, b1, b2, eps, weight_decay)
+  hp = hyperparams(count, learning_rate, b1, b2, eps, weight_decay,
+                   grad_scale)
   deq = lambda q: group_reference.dequantize_per_group(
       q.values, q.scale, q.exponent, group_size)
   p, m, v = update(

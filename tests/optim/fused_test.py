@@ -46,6 +46,36 @@ def test_fused_matches_optax_path(implementation):
   assert int(state[0].count) == 3 and int(state[2].count) == 3
 
 
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_grad_scale_is_global_norm_clipping(implementation):
+  # train.py folds clip_by_global_norm into the pass as a gradient scale.
+  max_norm = 1.0
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  tx = optax.chain(optax.clip_by_global_norm(max_norm),
+                   coat_jax.coat_adamw(**kw))
+  apply = coat_jax.optim.fused_coat_adamw(**kw, implementation=implementation)
+  params = _params()
+  state_ref = tx.init(params)
+  state = state_ref[1]
+  p_ref = p = params
+  for i in range(3):
+    g = _grads(params, i)  # norm ~ 80: every step clips
+    norm = optax.tree.norm(g)
+    assert norm > 10 * max_norm
+    u, state_ref = tx.update(g, state_ref, p_ref)
+    p_ref = optax.apply_updates(p_ref, u)
+    p, state = jax.jit(apply)(g, state, p, True, max_norm / norm)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p_ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                               atol=1e-6)
+  unclipped = params
+  s = tx.init(params)[1]
+  for i in range(3):
+    unclipped, s = apply(_grads(params, i), s, unclipped)
+  assert not np.allclose(np.asarray(unclipped['w']), np.asarray(p['w']),
+                         atol=1e-4)  # the scale changed the step
+
+
 def test_fused_needs_fp8_moments_and_its_own_state():
   params = _params()
   apply = coat_jax.optim.fused_coat_adamw(1e-3)
