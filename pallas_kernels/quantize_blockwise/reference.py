@@ -108,12 +108,23 @@ def quantize_blocks_2d(
   m, k = x2.shape
   xp = _pad_to_tiles(x2)
   mb, kb = xp.shape[0] // TILE, xp.shape[1] // TILE
-  blocks = xp.reshape(mb, TILE, kb, TILE)
+  spec = tuple(jax.typeof(xp).sharding.spec) + (None, None)
+  blocks = _reshape(xp, (mb, TILE, kb, TILE),
+                    (spec[0], None, spec[1], None))
   amax = _common.abs_max(jnp.abs(blocks), (1, 3))
   scale = scale_from_amax(amax, dtype, pow2)
   values = _common.saturate(
       ops.div(blocks, scale[:, None, :, None]), dtype, ops)
-  return values.reshape(xp.shape)[:m, :k], scale
+  return _reshape(values, xp.shape, spec[:2])[:m, :k], scale
+
+
+def _reshape(x: jax.Array, shape: tuple[int, ...], spec: tuple) -> jax.Array:
+  """x.reshape(shape), spelling out the sharding (`spec`) that explicit
+  sharding needs (a sharded axis stays on the leading factor of its split)."""
+  if any(s is not None for s in tuple(jax.typeof(x).sharding.spec)):
+    return lax.reshape(x, shape,
+                       out_sharding=jax.sharding.PartitionSpec(*spec))
+  return x.reshape(shape)
 
 
 def as_matrix(x: jax.Array) -> jax.Array:
@@ -163,6 +174,9 @@ def dequantize_blocks(
   """Inverse of the 128x128 block quantizer: values (M, K) * their block's
   scale, as out_dtype."""
   m, k = values.shape
-  s = jnp.repeat(jnp.repeat(scales.astype(jnp.float32), TILE, 0), TILE, 1)
-  return (values.astype(jnp.float32) * s[:m, :k]).astype(out_dtype)
-
+  vp = _pad_to_tiles(values.astype(jnp.float32))
+  mb, kb = vp.shape[0] // TILE, vp.shape[1] // TILE
+  spec = tuple(jax.typeof(vp).sharding.spec) + (None, None)
+  blocks = _reshape(vp, (mb, TILE, kb, TILE), (spec[0], None, spec[1], None))
+  out = blocks * scales.astype(jnp.float32)[:, None, :, None]
+  return _reshape(out, vp.shape, spec[:2])[:m, :k].astype(out_dtype)
