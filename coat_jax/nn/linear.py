@@ -92,9 +92,17 @@ BLOCK_TOKENS = block_quant.TILE
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fp8_dense_block_2d(x, kernels, implementation):
-  """Block-scaled `_fp8_dense_2d`: (M, K) x (K, N_i) -> (M, N_i); M % 128
-  == 0."""
+  """Block-scaled `_fp8_dense_2d`: (M, K) x (K, N_i) -> (M, N_i), any M.
+
+  The tokens are zero-padded to a multiple of 128 inside (zero rows add
+  nothing to wgrad), so the padding leaves nothing else saved.
+  """
   return _fp8_dense_block_fwd(x, kernels, implementation)[0]
+
+
+def _pad_tokens(a):
+  pad = -a.shape[0] % BLOCK_TOKENS
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
 def _tiles_with_transpose(x, dtype):
@@ -113,13 +121,15 @@ def _weight_blocks(w):
 
 
 def _fp8_dense_block_fwd(x, kernels, implementation):
-  x_values, x_scales, x_t, x_t_scales = _tiles_with_transpose(x, 'e4m3')
+  rows = x.shape[0]
+  x_values, x_scales, x_t, x_t_scales = _tiles_with_transpose(
+      _pad_tokens(x), 'e4m3')
   outs = []
   for w in kernels:
     w_values, w_scales = _weight_blocks(w)
     outs.append(fp8_matmul(
         x_values, w_values.T, x_scales, w_scales.T, out_dtype=x.dtype,
-        implementation=implementation))
+        implementation=implementation)[:rows])
   # Saved: x^T (K, M) tiled along tokens with its scales (K, M / 128).
   return tuple(outs), (x_t, x_t_scales, kernels)
 
@@ -130,8 +140,10 @@ def _fp8_dense_block_bwd(implementation, residuals, grads):
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
+  rows = grads[0].shape[0]
   for w, g in zip(kernels, grads, strict=True):
-    g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(g, 'e5m2')
+    g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
+        _pad_tokens(g), 'e5m2')
     w_values, w_scales = _weight_blocks(w)
     # dgrad: K of the GEMM is N; b = W (K, N) with W's own blocks.
     part = fp8_matmul(g_values, w_values, g_scales, w_scales,
@@ -141,7 +153,7 @@ def _fp8_dense_block_bwd(implementation, residuals, grads):
     dkernels.append(fp8_matmul(
         x_t, g_t, x_t_scales, g_t_scales, out_dtype=w.dtype,
         implementation=implementation))
-  return dx.astype(dtype), tuple(dkernels)
+  return dx[:rows].astype(dtype), tuple(dkernels)
 
 
 _fp8_dense_block_2d.defvjp(_fp8_dense_block_fwd, _fp8_dense_block_bwd)
@@ -193,12 +205,13 @@ def fp8_dense(
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
   rows = x2.shape[0]
-  block = scaling == 'block'
-  pad = -rows % (BLOCK_TOKENS if block else precision_lib.FP8_MULTIPLE)
+  if scaling == 'block':  # pads the tokens itself
+    outs = _fp8_dense_block_2d(x2, kernels, implementation)
+    return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
+  pad = -rows % precision_lib.FP8_MULTIPLE
   if pad:  # FP8 GEMMs tile M by 16; zero rows add nothing to wgrad.
     x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-  dense_2d = _fp8_dense_block_2d if block else _fp8_dense_2d
-  outs = dense_2d(x2, kernels, implementation)
+  outs = _fp8_dense_2d(x2, kernels, implementation)
   return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
 
 
