@@ -163,7 +163,8 @@ class Attention(nnx.Module):
     h, d = config.hidden_size, config.head_dim
     kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
               precision=precision, implementation=implementation,
-              scaling=scaling, kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs)
+              scaling=scaling,
+              kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs)
     self.q_proj = linear.CoatLinear(
         h, config.num_heads * d, kernel_axes=('embed', 'heads'), **kw)
     self.k_proj = linear.CoatLinear(

@@ -327,7 +327,7 @@ def fanout(
   or gate/up projections). Returns one output per layer.
   """
   first = layers[0]
-  key = lambda l: (l.precision, l.dtype, l.implementation, l.scaling)
+  key = lambda m: (m.precision, m.dtype, m.implementation, m.scaling)
   for layer in layers[1:]:
     if key(layer) != key(first):
       raise ValueError('fanout: all layers must share precision, dtype,'

@@ -20,5 +20,6 @@ from coat_jax.quant.quantized_array import QuantizedArray
 __all__ = [
     'E4M3', 'E5M2', 'FORMATS', 'K_MAX', 'K_MIN', 'QuantizedArray',
     'dequantize', 'expansion_range', 'fp8_dtype', 'fp8_max',
-    'quantize_blockwise', 'quantize_per_group', 'quantize_per_tensor', 'saturating_cast',
+    'quantize_blockwise', 'quantize_per_group', 'quantize_per_tensor',
+    'saturating_cast',
 ]

@@ -783,9 +783,11 @@ def test_block_zero_tile_and_nan_confined():
 
 def test_block_scale_validation():
   a, b, sa, sb = block_operands(1, 32, 144, 256, E4M3, E4M3, True)
-  with pytest.raises(ValueError, match=r'a_scale has shape \(32, 1\).*\(32, 2\)'):
+  with pytest.raises(ValueError,
+                     match=r'a_scale has shape \(32, 1\).*\(32, 2\)'):
     fp8_matmul(a, b, sa[:, :1], sb, implementation='xla')
-  with pytest.raises(ValueError, match=r'b_scale has shape.*\(2, 2\).*\(144, 2\)'):
+  with pytest.raises(ValueError,
+                     match=r'b_scale has shape.*\(2, 2\).*\(144, 2\)'):
     fp8_matmul(a, b, sa, sb[:1], implementation='xla')
   with pytest.raises(ValueError, match='b_scale must be float32'):
     fp8_matmul(a, b, sa, sb.astype(jnp.bfloat16), implementation='xla')

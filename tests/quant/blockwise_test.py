@@ -65,7 +65,7 @@ def test_old_trees_keep_their_structure():
   leaves, treedef = jax.tree_util.tree_flatten_with_path(q)
   assert [jax.tree_util.keystr(p) for p, _ in leaves] == ['.values', '.scale']
   assert q.block is None
-  assert jax.tree.unflatten(jax.tree.structure(q), [l for _, l in leaves]) == q
+  assert jax.tree.unflatten(jax.tree.structure(q), [v for _, v in leaves]) == q
   assert treedef is not None
 
 
