@@ -266,8 +266,9 @@ def bench_blockwise(results, quick):
          * 3).astype(jnp.bfloat16)
     n = x.size
     copy_name = f'copy x*2 bf16 {shape}'
-    results.append(dict(name=copy_name, impl='xla', bytes=4 * n, s=time_call(
-        jax.jit(lambda x: x * 2), (x,), **timing)))
+    results.append(dict(
+        name=copy_name, impl='xla', bytes=4 * n, copy=copy_name,
+        s=time_call(jax.jit(lambda x: x * 2), (x,), **timing)))
     for transpose, pow2 in ((True, False), (True, True), (False, False)):
       label = (f'tiles{"+T" if transpose else ""}{" pow2" if pow2 else ""}'
                f' bf16->e4m3 {shape}')
