@@ -259,14 +259,20 @@ def _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype):
 BLOCK_PALLAS_IS_DEFAULT = True
 
 
+def _single_device() -> bool:
+  return len(jax.devices()) == 1
+
+
 def _resolve_block_implementation(implementation: str | None) -> str:
   if implementation == 'triton':
     raise ValueError(
         "implementation='triton' has no block-scaled kernel; use 'xla',"
         " 'pallas' or None.")
   if implementation is None:
+    # One device only: a pallas_call has no partitioning rule, so under a
+    # multi-device jit it would be replicated (use 'pallas' in shard_map).
     use = (BLOCK_PALLAS_IS_DEFAULT and pallas_available()
-           and _block_kernel() is not None)
+           and _single_device() and _block_kernel() is not None)
     return 'pallas' if use else 'xla'
   return resolve_implementation(implementation)
 

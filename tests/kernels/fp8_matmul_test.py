@@ -830,6 +830,7 @@ def test_block_pallas_glue_pads_k_and_expands_scales(monkeypatch, n,
 
   monkeypatch.setattr(api, '_block_kernel', lambda: stand_in)
   monkeypatch.setattr(api, 'pallas_available', lambda: True)
+  monkeypatch.setattr(api, '_single_device', lambda: True)
   a, b, sa, sb = block_operands(2, 32, n, 208, E5M2, E4M3, b_per_block)
   out = fp8_matmul(a, b, sa, sb, out_dtype=jnp.float32,
                    implementation='pallas')
@@ -837,6 +838,8 @@ def test_block_pallas_glue_pads_k_and_expands_scales(monkeypatch, n,
   want_rows = n // 128 if (b_per_block and n % 128 == 0) else n
   assert calls == [(want_rows, 2)]
   assert api._resolve_block_implementation(None) == 'pallas'
+  monkeypatch.setattr(api, '_single_device', lambda: False)
+  assert api._resolve_block_implementation(None) == 'xla'
 
 
 @pytest.mark.gpu
