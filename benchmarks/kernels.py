@@ -1,6 +1,7 @@
 """Bandwidth of the quantization kernels and time of the fused COAT step.
 
   PYTHONPATH=. python benchmarks/kernels.py [--out results.jsonl] [--quick]
+  PYTHONPATH=. python benchmarks/kernels.py --blockwise  # block quantizers
 
 Every number in one run: a plain copy (x * 2 on 2^28 float32, bytes read +
 written) as the ceiling; each op's effective GB/s (the logical bytes it must
@@ -27,6 +28,8 @@ import numpy as np
 
 from pallas_kernels.coat_adam_step import pallas_triton as adam_pallas
 from pallas_kernels.coat_adam_step import reference as adam_reference
+from pallas_kernels.quantize_blockwise import pallas_triton as blockwise_pallas
+from pallas_kernels.quantize_blockwise import reference as blockwise_reference
 from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.quantize_per_tensor import pallas_triton as tensor_pallas
@@ -231,6 +234,83 @@ def bench_tensor(results, quick):
                           bytes=nbytes, s=time_call(f, (x, amax))))
 
 
+# Tokens x (hidden, intermediate) of the 1b model at batch 8 x 2048.
+_TOKENS = int(os.environ.get('BENCH_BLOCKWISE_TOKENS', 16384))  # dry runs
+BLOCKWISE_SHAPES = ((_TOKENS, 2048), (_TOKENS, 5632))
+_INTERPRET = jax.default_backend() != 'gpu'  # CPU dry runs only
+
+
+def bench_blockwise(results, quick):
+  """The block quantizers on bf16 activations, against a bf16 copy of the
+  same tensor in the same run (x * 2: 2 bytes read, 2 written).
+
+  1x128 tiles with the transposed copy in one pass (the linear layers'
+  input and output-gradient quantizer): reads 2 B, writes 2 x (1 B +
+  4 B / 128) per element; without the copy 1 B + 4 B / 128. 128x128 blocks
+  for a float32 weight (hidden, intermediate).
+  """
+  configs = [blockwise_pallas.BlockSizes()]
+  if not quick:
+    configs += [blockwise_pallas.BlockSizes(num_warps=4),
+                blockwise_pallas.BlockSizes(256, 128, 8),
+                blockwise_pallas.BlockSizes(128, 256, 8)]
+  timing = dict(warm_s=2.0, iters=50, repeats=9)
+  for shape in BLOCKWISE_SHAPES:
+    x = (jax.random.normal(jax.random.key(5), shape, jnp.float32)
+         * 3).astype(jnp.bfloat16)
+    n = x.size
+    copy_name = f'copy x*2 bf16 {shape}'
+    results.append(dict(
+        name=copy_name, impl='xla', bytes=4 * n, copy=copy_name,
+        s=time_call(jax.jit(lambda x: x * 2), (x,), **timing)))
+    for transpose, pow2 in ((True, False), (True, True), (False, False)):
+      label = (f'tiles{"+T" if transpose else ""}{" pow2" if pow2 else ""}'
+               f' bf16->e4m3 {shape}')
+      nbytes = n * (2 + (2 if transpose else 1) * (1 + 4 / 128))
+      ref = jax.jit(lambda x, tr=transpose, p2=pow2:
+                    blockwise_reference.quantize_blockwise(
+                        x, (1, 128), 'e4m3', transpose=tr, pow2=p2))
+      results.append(dict(name=label, impl='xla', bytes=nbytes,
+                          copy=copy_name, s=time_call(ref, (x,), **timing)))
+      for bs in configs if transpose and not pow2 else configs[:1]:
+        f = jax.jit(lambda x, tr=transpose, p2=pow2, bs=bs:
+                    blockwise_pallas.quantize_blockwise(
+                        x, (1, 128), 'e4m3', transpose=tr, pow2=p2,
+                        block_sizes=bs, interpret=_INTERPRET))
+        results.append(dict(name=label, impl='pallas', config=str(bs),
+                            bytes=nbytes, copy=copy_name,
+                            s=time_call(f, (x,), **timing)))
+  w = jax.random.normal(jax.random.key(6), BLOCKWISE_SHAPES[0][1:]
+                        + BLOCKWISE_SHAPES[1][1:], jnp.float32) * 0.02
+  label = f'blocks 128x128 f32->e4m3 {w.shape}'
+  nbytes = w.size * (4 + 1)
+  pallas_blocks = functools.partial(blockwise_pallas.quantize_blockwise,
+                                    interpret=_INTERPRET)
+  for impl, fn in (('xla', blockwise_reference.quantize_blockwise),
+                   ('pallas', pallas_blocks)):
+    f = jax.jit(lambda w, fn=fn: fn(w, (128, 128), 'e4m3')[:2])
+    results.append(dict(name=label, impl=impl, bytes=nbytes,
+                        s=time_call(f, (w,), **timing)))
+
+
+def blockwise_table(results):
+  """GB/s of the block quantizers and their share of the same-shape copy."""
+  lines = [f'{"op":44s} {"impl":7s} {"us":>8s} {"GB/s":>7s} {"%copy":>6s}'
+           f' {"vs xla":>7s}  config']
+  xla = {r['name']: r['s'] for r in results if r['impl'] == 'xla'}
+  for r in results:
+    if not (r['name'].startswith(('tiles', 'blocks', 'copy x*2 bf16'))):
+      continue
+    bw = r['bytes'] / r['s'] / 1e9
+    copy = rows_of(results, r.get('copy', ''))
+    pct = (100 * bw / (copy[0]['bytes'] / copy[0]['s'] / 1e9) if copy
+           else float('nan'))
+    ratio = xla.get(r['name'], float('nan')) / r['s']
+    lines.append(f'{r["name"]:44s} {r["impl"]:7s} {r["s"] * 1e6:8.1f}'
+                 f' {bw:7.0f} {pct:5.0f}% {ratio:6.2f}x  {r.get("config", "")}')
+  return '\n'.join(lines)
+
+
 LR, WD = 1e-3, 0.1
 # ~16.3 B/param: p, g in; p out (f32), m, v (1 B + 8/128 meta) in and out.
 STEP_BYTES = N_PARAMS * (4 + 4 + 4 + 4 * (1 + 8 / 128))
@@ -349,7 +429,14 @@ def main():
   parser.add_argument('--quick', action='store_true')
   parser.add_argument(
       '--only', default='probe,probe_ops,copy,group,tensor,adam')
+  parser.add_argument(
+      '--blockwise', action='store_true',
+      help='only the block quantizers (1x128 tiles with the transposed copy,'
+      ' 128x128 blocks) against a same-shape copy')
   args = parser.parse_args()
+  if args.blockwise:
+    args.only = 'blockwise'
+
   dev = jax.devices()[0]
   print(f'# {dev.device_kind}, jax {jax.__version__},'
         f' {time.strftime("%Y-%m-%d %H:%M:%S")}', flush=True)
@@ -357,7 +444,8 @@ def main():
   benches = dict(copy=lambda r, q: bench_copy(r), group=bench_group,
                  probe=lambda r, q: probe_xla_math(),
                  probe_ops=lambda r, q: probe_kernel_ops(),
-                 tensor=bench_tensor, adam=bench_adam)
+                 tensor=bench_tensor, adam=bench_adam,
+                 blockwise=bench_blockwise)
   for name in args.only.split(','):
     try:
       benches[name](results, args.quick)
@@ -372,6 +460,8 @@ def main():
     print(f'# {name} done', flush=True)
   if rows_of(results, 'copy x*2 f32'):
     print(table(results))
+  if any(r['name'].startswith('tiles') for r in results):
+    print(blockwise_table(results))
 
 
 if __name__ == '__main__':

@@ -201,10 +201,12 @@ class Attention(nnx.Module):
   """Causal GQA self-attention with RoPE; projections are CoatLinear."""
 
   def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
-               param_dtype: Any, implementation: str | None, rngs: nnx.Rngs):
+               param_dtype: Any, implementation: str | None, rngs: nnx.Rngs,
+               scaling: str = 'tensor'):
     h, d = config.hidden_size, config.head_dim
     kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
               precision=precision, implementation=implementation,
+              scaling=scaling,
               kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs)
     self.q_proj = linear.CoatLinear(
         h, config.num_heads * d, kernel_axes=('embed', 'heads'), **kw)
@@ -233,20 +235,21 @@ class DecoderLayer(nnx.Module):
   """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
   def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
-               param_dtype: Any, implementation: str | None, rngs: nnx.Rngs):
+               param_dtype: Any, implementation: str | None, rngs: nnx.Rngs,
+               scaling: str = 'tensor'):
     kw = dict(precision=precision, dtype=dtype, param_dtype=param_dtype)
     self.attn_norm = CoatRMSNorm(
         config.hidden_size, epsilon=config.rms_norm_eps, scale_axes=('norm',),
         rngs=rngs, **kw)
     self.attn = Attention(config, implementation=implementation, rngs=rngs,
-                          **kw)
+                          scaling=scaling, **kw)
     self.mlp_norm = CoatRMSNorm(
         config.hidden_size, epsilon=config.rms_norm_eps, scale_axes=('norm',),
         rngs=rngs, **kw)
     self.mlp = CoatMLP(
         config.hidden_size, config.intermediate_size,
         kernel_init=nnx.initializers.normal(config.init_std),
-        implementation=implementation, rngs=rngs, **kw)
+        implementation=implementation, scaling=scaling, rngs=rngs, **kw)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """(B, S, H) bf16 residual stream -> same."""
@@ -265,12 +268,15 @@ class Llama(nnx.Module):
     implementation: `fp8_matmul` implementation ('xla', 'pallas',
       'triton', None).
     rngs: random number generators.
+    scaling: FP8 scaling of the linear layers, 'tensor' or 'block'.
   """
 
   def __init__(self, config: LlamaConfig, *, precision: str = 'coat',
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
-               implementation: str | None = None, rngs: nnx.Rngs):
+               implementation: str | None = None, rngs: nnx.Rngs,
+               scaling: str = 'tensor'):
     precision_lib.check_precision(precision)
+    precision_lib.check_scaling(scaling)
     if precision_lib.uses_fp8_matmuls(precision):
       precision_lib.check_fp8_size('config.hidden_size', config.hidden_size,
                                    precision)
@@ -293,7 +299,8 @@ class Llama(nnx.Module):
     def make_layers(rngs):
       return DecoderLayer(config, precision=precision, dtype=dtype,
                           param_dtype=param_dtype,
-                          implementation=implementation, rngs=rngs)
+                          implementation=implementation, rngs=rngs,
+                          scaling=scaling)
 
     self.layers = make_layers(rngs)
     # The final norm is BF16 in every mode (as in COAT).

@@ -11,6 +11,12 @@ and the input is saved transposed.
 
 Several kernels may share one input (Q/K/V, gate/up): the input is then
 quantized and saved once.
+
+`scaling='block'` (DeepSeek-V3 granularity, DESIGN section 1) replaces the
+per-tensor scales: the input and the output gradients in 1x128 tiles along
+the GEMM's K, each with its transposed copy tiled along the tokens (the
+wgrad operands) from the same pass, the weights in 128x128 blocks (one scale
+serves W and W^T). Tokens are padded to a multiple of 128 there.
 """
 
 from collections.abc import Sequence
@@ -26,6 +32,7 @@ from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
 from coat_jax.quant import quantize_per_tensor
+from pallas_kernels.quantize_blockwise import api as block_quant
 from pallas_kernels.quantize_per_tensor import api as tensor_quant
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -79,6 +86,78 @@ def _fp8_dense_bwd(implementation, residuals, grads):
 
 _fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
 
+# Tokens are padded to whole 1x128 tiles of the wgrad operands.
+BLOCK_TOKENS = block_quant.TILE
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_dense_block_2d(x, kernels, implementation):
+  """Block-scaled `_fp8_dense_2d`: (M, K) x (K, N_i) -> (M, N_i), any M.
+
+  The tokens are zero-padded to a multiple of 128 inside (zero rows add
+  nothing to wgrad), so the padding leaves nothing else saved.
+  """
+  return _fp8_dense_block_fwd(x, kernels, implementation)[0]
+
+
+def _pad_tokens(a):
+  pad = -a.shape[0] % BLOCK_TOKENS
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
+def _tiles_with_transpose(x, dtype):
+  """(values (M, N), scales (M, N/128), values^T (N, M), scales^T (N, M/128))
+  in one pass over x."""
+  return block_quant.quantize_blockwise(
+      x, (1, block_quant.TILE), dtype, transpose=True, implementation=None)
+
+
+def _weight_blocks(w):
+  """W (K, N) in E4M3 128x128 blocks: (values (K, N), scales (K/128, N/128));
+  W^T's blocks are the transposed ones."""
+  values, scales, _, _ = block_quant.quantize_blockwise(
+      w, (block_quant.TILE, block_quant.TILE), 'e4m3', implementation=None)
+  return values, scales
+
+
+def _fp8_dense_block_fwd(x, kernels, implementation):
+  rows = x.shape[0]
+  x_values, x_scales, x_t, x_t_scales = _tiles_with_transpose(
+      _pad_tokens(x), 'e4m3')
+  outs = []
+  for w in kernels:
+    w_values, w_scales = _weight_blocks(w)
+    outs.append(fp8_matmul(
+        x_values, w_values.T, x_scales, w_scales.T, out_dtype=x.dtype,
+        implementation=implementation)[:rows])
+  # Saved: x^T (K, M) tiled along tokens with its scales (K, M / 128).
+  return tuple(outs), (x_t, x_t_scales, kernels)
+
+
+def _fp8_dense_block_bwd(implementation, residuals, grads):
+  x_t, x_t_scales, kernels = residuals
+  dtype = grads[0].dtype
+  dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
+  dx = None
+  dkernels = []
+  rows = grads[0].shape[0]
+  for w, g in zip(kernels, grads, strict=True):
+    g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
+        _pad_tokens(g), 'e5m2')
+    w_values, w_scales = _weight_blocks(w)
+    # dgrad: K of the GEMM is N; b = W (K, N) with W's own blocks.
+    part = fp8_matmul(g_values, w_values, g_scales, w_scales,
+                      out_dtype=dgrad_dtype, implementation=implementation)
+    dx = part if dx is None else dx + part
+    # wgrad: K of the GEMM is the tokens; both operands tiled along them.
+    dkernels.append(fp8_matmul(
+        x_t, g_t, x_t_scales, g_t_scales, out_dtype=w.dtype,
+        implementation=implementation))
+  return dx[:rows].astype(dtype), tuple(dkernels)
+
+
+_fp8_dense_block_2d.defvjp(_fp8_dense_block_fwd, _fp8_dense_block_bwd)
+
 
 def _check_dense_args(x, kernels) -> None:
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -95,7 +174,7 @@ def _check_dense_args(x, kernels) -> None:
 
 def fp8_dense(
     x: jax.Array, kernels: Sequence[jax.Array], *,
-    implementation: str | None = None,
+    implementation: str | None = None, scaling: str = 'tensor',
 ) -> tuple[jax.Array, ...]:
   """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
 
@@ -104,12 +183,17 @@ def fp8_dense(
     kernels: one or more (K, N_i) weights (float32 params), N_i multiples of
       16. Their gradients come back in their own dtype.
     implementation: passed to `fp8_matmul` ('xla', 'pallas', 'triton'
-      or None).
+      or None; 'triton' has no block-scaled kernel).
+    scaling: 'tensor' (per-tensor current scaling, COAT's paper) or 'block'
+      (1x128 tiles for x and the output gradients, 128x128 weight blocks;
+      see the module doc).
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
-    (M x K bytes), its float32 scale, and the kernels themselves.
+    (M x K bytes), its float32 scale(s) (one, or M / 128 per 128 of K
+    with 'block'), and the kernels themselves.
   """
+  precision_lib.check_scaling(scaling)
   kernels = tuple(kernels)
   _check_dense_args(x, kernels)
   if jnp.dtype(x.dtype) not in _OUT_DTYPES:
@@ -121,6 +205,9 @@ def fp8_dense(
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
   rows = x2.shape[0]
+  if scaling == 'block':  # pads the tokens itself
+    outs = _fp8_dense_block_2d(x2, kernels, implementation)
+    return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
   pad = -rows % precision_lib.FP8_MULTIPLE
   if pad:  # FP8 GEMMs tile M by 16; zero rows add nothing to wgrad.
     x2 = jnp.pad(x2, ((0, pad), (0, 0)))
@@ -141,15 +228,17 @@ def bf16_dense(
 def dense(
     x: jax.Array, kernels: Sequence[jax.Array], *, precision: str,
     dtype: Any = jnp.bfloat16, implementation: str | None = None,
+    scaling: str = 'tensor',
 ) -> tuple[jax.Array, ...]:
   """`x @ w` for each kernel, with the implementation of `precision`.
 
-  'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense`.
-  x is cast to `dtype` first; outputs are in `dtype`.
+  'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense` with
+  `scaling`. x is cast to `dtype` first; outputs are in `dtype`.
   """
   x = x.astype(dtype)
   if precision_lib.uses_fp8_matmuls(precision):
-    return fp8_dense(x, kernels, implementation=implementation)
+    return fp8_dense(x, kernels, implementation=implementation,
+                     scaling=scaling)
   return bf16_dense(x, kernels, dtype=dtype)
 
 
@@ -174,6 +263,7 @@ class CoatLinear(nnx.Module):
     kernel_axes: logical axis names of the kernel, e.g. ('embed', 'mlp').
     implementation: `fp8_matmul` implementation ('xla', 'pallas',
       'triton', None).
+    scaling: FP8 scaling granularity, 'tensor' or 'block' (see `fp8_dense`).
     rngs: random number generators.
     kernel_metadata: extra metadata for the kernel Param.
     bias_metadata: extra metadata for the bias Param.
@@ -192,10 +282,12 @@ class CoatLinear(nnx.Module):
       bias_init: Any = default_bias_init,
       kernel_axes: tuple[str | None, ...] | None = None,
       implementation: str | None = None,
+      scaling: str = 'tensor',
       rngs: nnx.Rngs,
       kernel_metadata: Any = MappingProxyType({}),
       bias_metadata: Any = MappingProxyType({}),
   ):
+    precision_lib.check_scaling(scaling)
     precision_lib.check_fp8_size('in_features', in_features, precision)
     precision_lib.check_fp8_size('out_features', out_features, precision)
     self.kernel = partitioning.make_param(
@@ -219,6 +311,7 @@ class CoatLinear(nnx.Module):
     self.param_dtype = param_dtype
     self.precision = precision
     self.implementation = implementation
+    self.scaling = scaling
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """(..., in_features) -> (..., out_features) in `dtype`."""
@@ -230,18 +323,18 @@ def fanout(
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
-  The layers must share precision, dtype and implementation (Q/K/V or
-  gate/up projections). Returns one output per layer.
+  The layers must share precision, dtype, implementation and scaling (Q/K/V
+  or gate/up projections). Returns one output per layer.
   """
   first = layers[0]
+  key = lambda m: (m.precision, m.dtype, m.implementation, m.scaling)
   for layer in layers[1:]:
-    if (layer.precision, layer.dtype, layer.implementation) != (
-        first.precision, first.dtype, first.implementation):
-      raise ValueError('fanout: all layers must share precision, dtype and'
-                       ' implementation.')
+    if key(layer) != key(first):
+      raise ValueError('fanout: all layers must share precision, dtype,'
+                       ' implementation and scaling.')
   outs = dense(x, [layer.kernel[...] for layer in layers],
                precision=first.precision, dtype=first.dtype,
-               implementation=first.implementation)
+               implementation=first.implementation, scaling=first.scaling)
   return tuple(
       y + layer.bias[...].astype(y.dtype) if layer.bias is not None else y
       for y, layer in zip(outs, layers, strict=True))

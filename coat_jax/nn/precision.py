@@ -13,6 +13,10 @@ import jax.numpy as jnp
 
 PRECISIONS = ('bf16', 'fp8_linear', 'coat')
 
+# Scaling granularity of the FP8 linear layers: 'tensor' (per-tensor current
+# scaling, COAT's paper) or 'block' (1x128 tiles, 128x128 weight blocks).
+SCALINGS = ('tensor', 'block')
+
 # 1x16 groups along the last (hidden) axis for non-linear layer inputs.
 GROUP_SIZE = 16
 
@@ -36,6 +40,15 @@ def check_precision(precision: str) -> str:
         f'precision={precision!r} is not a precision mode: use one of'
         f' {PRECISIONS}.')
   return precision
+
+
+def check_scaling(scaling: str) -> str:
+  """Returns `scaling` if it names a granularity, else raises ValueError."""
+  if scaling not in SCALINGS:
+    raise ValueError(
+        f'scaling={scaling!r} is not a scaling granularity: use one of'
+        f' {SCALINGS}.')
+  return scaling
 
 
 def uses_fp8_matmuls(precision: str) -> bool:

@@ -1,4 +1,5 @@
-"""Per-tensor and per-group FP8 quantization, with dynamic range expansion.
+"""Per-tensor, per-group (with dynamic range expansion) and block-scaled
+(1x128 tiles, 128x128 blocks) FP8 quantization.
 
 The numerics are the pure-jnp references in `pallas_kernels` (they are the
 oracles of the Pallas kernels too, so there is one copy of the math); this
@@ -13,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax.quant.quantized_array import QuantizedArray
+from pallas_kernels.quantize_blockwise import api as blockwise_api
+from pallas_kernels.quantize_blockwise import reference as blockwise_reference
 from pallas_kernels.quantize_per_group import api as group_api
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.quantize_per_tensor import api as tensor_api
@@ -92,12 +95,59 @@ def quantize_per_group(
   return QuantizedArray(values, scale, exponent, int(group_size))
 
 
+def quantize_blockwise(
+    x: jax.Array,
+    block: tuple[int, int] = (1, 128),
+    dtype: Any = 'e4m3',
+    *,
+    transpose: bool = False,
+    pow2_scales: bool = False,
+    implementation: str | None = 'xla',
+) -> QuantizedArray | tuple[QuantizedArray, QuantizedArray]:
+  """Quantizes in 1x128 tiles (activations, gradients) or 128x128 blocks.
+
+  Per tile or block: scale = amax / fp8_max (1 for all zeros, NaN if it
+  holds NaN or Inf; the other tiles are unaffected), or with `pow2_scales`
+  2^ceil(log2(amax / fp8_max)); values = saturating_cast(x / scale).
+  Partial tiles at the edges are zero-padded (scales use ceil).
+
+  Args:
+    x: floating array. (1, 128): any shape, tiles along the last axis (the
+      same bits as `quantize_per_group(x, 128)` without pow2_scales);
+      (128, 128): 2-D.
+    block: (1, 128) or (128, 128).
+    dtype: 'e4m3' or 'e5m2'.
+    transpose: (1, 128) only: also return the transposed 2-D view
+      (K, prod(shape[:-1])) in 1x128 tiles along its last axis (the tokens),
+      quantized in the same pass: what a weight-gradient GEMM reads.
+    pow2_scales: power-of-two scales (exact rescaling).
+    implementation: 'xla', 'pallas' or None (fastest available).
+
+  Returns:
+    (1, 128): QuantizedArray with group_size 128 (scale x.shape[:-1] +
+    (ceil(K / 128),)), and with transpose a pair (q, q_t).
+    (128, 128): QuantizedArray with block (128, 128), scale
+    (ceil(M / 128), ceil(K / 128)). Leaves keep x's sharding where the
+    layout allows (jit propagates it).
+  """
+  values, scale, values_t, scale_t = blockwise_api.quantize_blockwise(
+      x, block, dtype, transpose=transpose, pow2_scales=pow2_scales,
+      implementation=implementation)
+  if tuple(block) == (128, 128):
+    return QuantizedArray(values, scale, block=(128, 128))
+  q = QuantizedArray(values, scale, None, 128)
+  if not transpose:
+    return q
+  return q, QuantizedArray(values_t, scale_t, None, 128)
+
+
 def dequantize(q: QuantizedArray, dtype=jnp.float32, *,
                implementation: str | None = 'xla') -> jax.Array:
   """Reconstructs the array: values * scale, or the inverse expansion.
 
   Args:
-    q: a QuantizedArray from `quantize_per_tensor` or `quantize_per_group`.
+    q: a QuantizedArray from `quantize_per_tensor`, `quantize_per_group` or
+      `quantize_blockwise`.
     dtype: the floating dtype of the result.
     implementation: 'xla', 'pallas' or None (fastest available).
 
@@ -108,6 +158,9 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32, *,
     raise TypeError(
         f'q must be a QuantizedArray (from quantize_per_tensor or'
         f' quantize_per_group), got {type(q).__name__}.')
+  if q.block is not None:
+    return blockwise_reference.dequantize_blocks(
+        q.values, q.scale, out_dtype=dtype)
   if q.group_size is None:
     values = q.values.astype(jnp.float32)
     return (values * q.scale.astype(jnp.float32)).astype(dtype)

@@ -10,7 +10,7 @@ import numpy as np
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=['values', 'scale', 'exponent'],
-    meta_fields=['group_size'],
+    meta_fields=['group_size', 'block'],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
@@ -26,7 +26,12 @@ class QuantizedArray:
       With dynamic range expansion, the float32 per-group exponent k (a
       multiple of 1/16), same shape as `scale`; then `scale` is the group's
       max |x| and x ~ sign(values) * scale * (|values| / fp8_max)^(1/k).
-    group_size: static; None for per-tensor scaling.
+    group_size: static; None for per-tensor scaling (and for 128x128
+      blocks). 1x128 tiles along the last axis are per-group scaling with
+      group_size 128.
+    block: static; (128, 128) for a 2-D array in 128x128 blocks (scale
+      (ceil(M / 128), ceil(K / 128)), x ~ values * its block's scale), else
+      None (the default, so older trees keep their structure).
 
   Invariants: a group (or tensor) holding NaN or +-Inf has a NaN scale and
   dequantizes to NaN everywhere; an all-zero group dequantizes to exact zeros.
@@ -38,6 +43,7 @@ class QuantizedArray:
   scale: jax.Array
   exponent: jax.Array | None = None
   group_size: int | None = None
+  block: tuple[int, int] | None = None
 
   @property
   def shape(self) -> tuple[int, ...]:

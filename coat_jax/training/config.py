@@ -12,6 +12,7 @@ import typing
 from typing import Any
 
 from coat_jax.nn.precision import PRECISIONS
+from coat_jax.nn.precision import SCALINGS
 
 
 @dataclasses.dataclass
@@ -20,6 +21,7 @@ class ModelConfig:
 
   preset: str = 'tiny'
   precision: str = 'coat'  # 'bf16', 'fp8_linear' or 'coat'
+  scaling: str = 'tensor'  # FP8 linear layers: 'tensor' or 'block'
   vocab_size: int | None = None  # None: the preset's
   hidden_size: int | None = None
   intermediate_size: int | None = None
@@ -231,6 +233,7 @@ def validate(config: Config, num_devices: int) -> None:
                          f' expected {hints[f.name]}.')
   m, o, d, t = config.model, config.optim, config.data, config.train
   _one_of('model.precision', m.precision, PRECISIONS)
+  _one_of('model.scaling', m.scaling, SCALINGS)
   _one_of('optim.name', o.name, ('coat_adamw', 'adamw'))
   _one_of('data.source', d.source, ('stdlib', 'text', 'tokens'))
   _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))

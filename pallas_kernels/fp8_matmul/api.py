@@ -1,7 +1,10 @@
 """Public FP8 matmul: out = (a @ b.T) * a_scale * b_scale, FP32 accumulation.
 
 Forward passes use E4M3 x E4M3; dgrad and wgrad use E5M2 (gradient) x E4M3.
-Both operands are K-major: a is (M, K) and b is (N, K).
+Both operands are K-major: a is (M, K) and b is (N, K). Scales are either
+scalars (per-tensor) or block scales: a per (row, 128 of K), b per (128 of
+N, 128 of K) or per (row, 128 of K); each 128-K partial sum is then scaled
+by its two scales as it is promoted to FP32.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _common
 from pallas_kernels.fp8_matmul import mosaic_gpu
+from pallas_kernels.fp8_matmul import reference
 from pallas_kernels.fp8_matmul import triton_peer
 from pallas_kernels.quantize_per_group import reference as group_reference
 
@@ -22,6 +26,7 @@ _ALLOWED_PAIRS = ((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2))
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _IMPLEMENTATIONS = ('xla', 'pallas', 'triton')
 _DIMS = (((1,), (1,)), ((), ()))
+BLOCK_K = reference.BLOCK_K
 
 
 @functools.cache
@@ -95,6 +100,10 @@ def _check_operand(name: str, x) -> None:
           ' multiple of 16; pad the operand.')
 
 
+def _is_block_scale(s) -> bool:
+  return getattr(s, 'ndim', 0) == 2
+
+
 def _check_scale(name: str, s) -> jax.Array:
   if isinstance(s, (int, float)) and not isinstance(s, bool):
     return jnp.asarray(s, jnp.float32)
@@ -103,7 +112,7 @@ def _check_scale(name: str, s) -> jax.Array:
   if s.shape != ():
     raise ValueError(
         f'{name} must be a float32 scalar of shape (), got shape {s.shape};'
-        ' per-row or per-block scales are not supported.')
+        ' block scales are 2-D (see fp8_matmul), and both operands need them.')
   if jnp.dtype(s.dtype) != jnp.float32:
     raise ValueError(f'{name} must be float32, got {s.dtype}.')
   return s
@@ -133,6 +142,13 @@ def _xla_matmul(a, b, scale, out_dtype):
 
 def _check_operands(a, b, a_scale, b_scale):
   """Validates fp8_matmul's operands; returns the product of the scales."""
+  _check_operand_pair(a, b)
+  a_scale = _check_scale('a_scale', a_scale)
+  b_scale = _check_scale('b_scale', b_scale)
+  return a_scale * b_scale
+
+
+def _check_operand_pair(a, b) -> None:
   _check_operand('a', a)
   _check_operand('b', b)
   if a.shape[1] != b.shape[1]:
@@ -143,9 +159,136 @@ def _check_operands(a, b, a_scale, b_scale):
     raise ValueError(
         f'a.dtype={a.dtype}, b.dtype={b.dtype}: E5M2 x E5M2 is not'
         ' supported; use E4M3 for at least one operand.')
-  a_scale = _check_scale('a_scale', a_scale)
-  b_scale = _check_scale('b_scale', b_scale)
-  return a_scale * b_scale
+
+
+def _check_block_scales(a, b, a_scale, b_scale) -> None:
+  """Validates block scales (see `fp8_matmul`)."""
+  m, k = a.shape
+  n = b.shape[0]
+  kb = -(-k // BLOCK_K)
+  nb = -(-n // BLOCK_K)
+  for name, s in (('a_scale', a_scale), ('b_scale', b_scale)):
+    if not _is_block_scale(s):
+      raise ValueError(
+          f'{name} has shape {getattr(s, "shape", ())}: with block scales'
+          ' both a_scale and b_scale must be 2-D float32 arrays (or both'
+          ' scalars for per-tensor scaling).')
+    if jnp.dtype(s.dtype) != jnp.float32:
+      raise ValueError(f'{name} must be float32, got {s.dtype}.')
+  if a_scale.shape != (m, kb):
+    raise ValueError(
+        f'a_scale has shape {a_scale.shape}; for a {a.shape} it must be'
+        f' (M, ceil(K / 128)) = {(m, kb)} (one scale per row per 128 of K).')
+  if b_scale.shape not in ((nb, kb), (n, kb)):
+    raise ValueError(
+        f'b_scale has shape {b_scale.shape}; for b {b.shape} it must be'
+        f' (ceil(N / 128), ceil(K / 128)) = {(nb, kb)} (128x128 blocks) or'
+        f' (N, ceil(K / 128)) = {(n, kb)} (per row of b).')
+
+
+def _xla_block_matmul(a, b, a_scale, b_scale, out_dtype):
+  """The block-scaled 'xla' path: one FP8 dot per 128 of K, scaled, summed.
+
+  On a GPU each 128-K dot runs on the FP8 tensor cores with
+  DotAlgorithmPreset.ANY_F8_ANY_F8_F32 (exact products, FP32 accumulation
+  over 128 terms): an honest FP8 emulation of the block-scaled kernel, never
+  a BF16 GEMM, and cheaper in memory than float32 operands. Elsewhere the
+  exact float32 reference (FP8 products are exact in float32).
+  """
+  if jax.default_backend() != 'gpu':
+    return reference.fp8_matmul_block_reference(
+        a, b, a_scale, b_scale, out_dtype=out_dtype)
+  m, k = a.shape
+  n = b.shape[0]
+  kb = -(-k // BLOCK_K)
+  pad = kb * BLOCK_K - k
+  if pad:
+    a = jnp.pad(a, ((0, 0), (0, pad)))
+    b = jnp.pad(b, ((0, 0), (0, pad)))
+  b_scale = reference.expand_b_scale(b_scale, n)
+  a_blocks = a.reshape(m, kb, BLOCK_K).transpose(1, 0, 2)
+  b_blocks = b.reshape(n, kb, BLOCK_K).transpose(1, 0, 2)
+
+  def step(acc, blocks):
+    ab, bb, sa, sb = blocks
+    part = jax.lax.dot_general(
+        ab, bb, _DIMS,
+        precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
+        preferred_element_type=jnp.float32)
+    return acc + part * (sa[:, None] * sb[None, :]), None
+
+  acc, _ = jax.lax.scan(
+      step, jnp.zeros((m, n), jnp.float32),
+      (a_blocks, b_blocks, a_scale.T, b_scale.T))
+  return acc.astype(out_dtype)
+
+
+def _block_kernel():
+  """Part B's Mosaic GPU block-scaled kernel, or None if it is absent."""
+  try:
+    from pallas_kernels.fp8_matmul import mosaic_gpu_block  # noqa: PLC0415
+  except ImportError:
+    return None
+  return getattr(mosaic_gpu_block, 'fp8_matmul_block_scaled_mosaic', None)
+
+
+def _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype):
+  """Calls the Mosaic GPU kernel: K padded to 128 (zero codes, scale 1),
+  b's scales per row of b unless N is a multiple of 128 (per 128x128 block
+  then, the smaller operand)."""
+  kernel = _block_kernel()
+  if kernel is None:
+    raise ValueError(
+        'implementation=\'pallas\' with block scales needs'
+        ' pallas_kernels/fp8_matmul/mosaic_gpu_block.py; use'
+        ' implementation=\'xla\' or None here.')
+  k = a.shape[1]
+  n = b.shape[0]
+  pad = -k % BLOCK_K
+  if pad:
+    a = jnp.pad(a, ((0, 0), (0, pad)))
+    b = jnp.pad(b, ((0, 0), (0, pad)))
+  if n % BLOCK_K or n < BLOCK_K:
+    b_scale = reference.expand_b_scale(b_scale, n)
+  return kernel(a, b, a_scale, b_scale, out_dtype=out_dtype)
+
+
+# implementation=None with block scales: the Mosaic GPU kernel on Hopper
+# when present (the 'xla' emulation runs one GEMM per 128 of K). The lead
+# confirms it with benchmarks/matmul.py.
+BLOCK_PALLAS_IS_DEFAULT = True
+
+
+def _single_device() -> bool:
+  return len(jax.devices()) == 1
+
+
+def _resolve_block_implementation(implementation: str | None) -> str:
+  if implementation == 'triton':
+    raise ValueError(
+        "implementation='triton' has no block-scaled kernel; use 'xla',"
+        " 'pallas' or None.")
+  if implementation is None:
+    # One device only: a pallas_call has no partitioning rule, so under a
+    # multi-device jit it would be replicated (use 'pallas' in shard_map).
+    use = (BLOCK_PALLAS_IS_DEFAULT and pallas_available()
+           and _single_device() and _block_kernel() is not None)
+    return 'pallas' if use else 'xla'
+  return resolve_implementation(implementation)
+
+
+def fp8_matmul_block_scaled(a: jax.Array, b: jax.Array, a_scale: jax.Array,
+                            b_scale: jax.Array, *, out_dtype=jnp.bfloat16,
+                            implementation: str | None = None) -> jax.Array:
+  """Block-scaled FP8 matmul (see `fp8_matmul`, which dispatches here)."""
+  _check_operand_pair(a, b)
+  _check_block_scales(a, b, a_scale, b_scale)
+  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+    raise ValueError(f'out_dtype must be bfloat16 or float32, got {out_dtype}.')
+  impl = _resolve_block_implementation(implementation)
+  if impl == 'pallas':
+    return _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype)
+  return _xla_block_matmul(a, b, a_scale, b_scale, out_dtype)
 
 
 def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
@@ -153,12 +296,22 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
                implementation: str | None = None) -> jax.Array:
   """FP8 matmul out = (a @ b.T) * a_scale * b_scale.
 
+  With block scales (2-D a_scale and b_scale), out[m, n] = sum_kb
+  (sum_{k in kb} a[m, k] b[n, k]) a_scale[m, kb] b_scale[., kb] over the
+  128-wide blocks kb of K (K zero-padded to a multiple of 128), where b's
+  scale is per 128x128 block, b_scale[n // 128, kb], when b_scale has
+  ceil(N / 128) rows, and per row, b_scale[n, kb], when it has N rows (N is
+  a multiple of 16, so the two shapes never coincide).
+
   Args:
     a: (M, K) float8_e4m3fn or float8_e5m2.
     b: (N, K) float8_e4m3fn or float8_e5m2, K-major like a. E5M2 x E5M2 is
       rejected (cuBLASLt has no such kernel).
-    a_scale: () float32 dequantization scale of a (a Python float is taken).
-    b_scale: () float32 dequantization scale of b.
+    a_scale: () float32 dequantization scale of a (a Python float is
+      taken), or block scales (M, ceil(K / 128)) float32.
+    b_scale: () float32 dequantization scale of b, or block scales
+      (ceil(N / 128), ceil(K / 128)) or (N, ceil(K / 128)) float32 (then
+      a_scale must be block scales too).
     out_dtype: jnp.bfloat16 (default) or jnp.float32.
     implementation: 'xla' (cuBLASLt FP8 with precise FP32 accumulation on
       GPU, writing out_dtype, then scaled: a BF16 result is rounded twice;
@@ -166,6 +319,9 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
       Mosaic GPU wgmma kernel, Hopper only), 'triton' (a Triton-language
       kernel through jax_triton, Hopper only; `pip install jax-triton`) or
       None (the measured-fastest: xla). M, N and K must be multiples of 16.
+      With block scales: 'xla' is an exact emulation (one FP8 dot per 128
+      of K on a GPU, exact float32 elsewhere), 'pallas' the Mosaic GPU
+      block-scaled kernel, None 'pallas' on Hopper when present.
 
   Returns:
     (M, N) array of out_dtype.
@@ -173,6 +329,10 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
   Raises:
     ValueError: on a bad dtype, shape, scale, out_dtype or implementation.
   """
+  if _is_block_scale(a_scale) or _is_block_scale(b_scale):
+    return fp8_matmul_block_scaled(
+        a, b, a_scale, b_scale, out_dtype=out_dtype,
+        implementation=implementation)
   scale = _check_operands(a, b, a_scale, b_scale)
   if jnp.dtype(out_dtype) not in _OUT_DTYPES:
     raise ValueError(f'out_dtype must be bfloat16 or float32, got {out_dtype}.')

@@ -8,6 +8,8 @@ import pytest
 
 import coat_jax.nn as cnn
 from coat_jax.quant import fp8_max
+from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.quantize_blockwise import reference as block_reference
 
 
 def _key():
@@ -147,3 +149,136 @@ def test_errors_name_the_argument():
     cnn.fp8_dense(jnp.ones((16, 32), jnp.int32), [jnp.ones((32, 16))])
   with pytest.raises(ValueError, match=r'kernels\[0\] has shape'):
     cnn.fp8_dense(jnp.ones((16, 32)), [jnp.ones((16, 32))])
+
+
+# ------------------------------------------------------ scaling='block'
+
+
+def _block(x, w):
+  return cnn.fp8_dense(x, [w], scaling='block')[0]
+
+
+def test_block_is_the_composition_of_its_quantizers_and_gemms():
+  """Forward, dgrad and wgrad equal fp8_matmul on the reference quantizers'
+  tiles and blocks, bit for bit (the layouts and scales are wired right),
+  tokens padded to 128."""
+  k = jax.random.split(_key(), 3)
+  x = jax.random.normal(k[0], (3, 50, 256), jnp.bfloat16)
+  w = jax.random.normal(k[1], (256, 160)) * 0.05
+  dy = jax.random.normal(k[2], (3, 50, 160), jnp.bfloat16)
+  y, vjp = jax.vjp(_block, x, w)
+  dx, dw = vjp(dy)
+
+  def tiles(a, fmt):
+    a = jnp.pad(a.reshape(150, -1), ((0, 106), (0, 0)))
+    return block_reference.quantize_blockwise(a, (1, 128), fmt,
+                                              transpose=True)
+
+  xv, xs, xt, xts = tiles(x, 'e4m3')
+  gv, gs, gt, gts = tiles(dy, 'e5m2')
+  wv, ws, _, _ = block_reference.quantize_blockwise(w, (128, 128), 'e4m3')
+  mm = fp8_matmul
+  y_want = mm(xv, wv.T, xs, ws.T, out_dtype=jnp.bfloat16)[:150]
+  dx_want = mm(gv, wv, gs, ws, out_dtype=jnp.bfloat16)[:150]
+  dw_want = mm(xt, gt, xts, gts, out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(y, np.float32).reshape(150, -1),
+                                np.asarray(y_want, np.float32))
+  np.testing.assert_array_equal(np.asarray(dx, np.float32).reshape(150, -1),
+                                np.asarray(dx_want, np.float32))
+  np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_want))
+
+
+@pytest.mark.parametrize('shape', [(4, 37, 128), (1, 1, 128), (23, 256)])
+def test_block_vs_tensor_vs_bf16_against_float32(shape):
+  k = jax.random.split(_key(), 3)
+  x = jax.random.normal(k[0], shape, jnp.bfloat16)
+  w = jax.random.normal(k[1], (shape[-1], 96)) * 0.05
+  dy = jax.random.normal(k[2], shape[:-1] + (96,), jnp.bfloat16)
+
+  def fwd_bwd(fn):
+    y, vjp = jax.vjp(fn, x, w)
+    return (y, *vjp(dy.astype(y.dtype)))
+
+  ref = fwd_bwd(_ref)
+  errs = {}
+  for name, fn in (('block', _block), ('tensor', _fp8),
+                   ('bf16', lambda a, b: cnn.bf16_dense(a, [b])[0])):
+    out = jax.jit(lambda f=fn: fwd_bwd(f))()
+    assert out[0].shape == ref[0].shape and out[1].shape == x.shape
+    errs[name] = [_rel(a, b) for a, b in zip(out, ref)]
+  print(f'{shape}: rel. error (y, dx, dw) vs float32: {errs}')
+  assert errs['block'][0] < 0.06   # E4M3 x E4M3
+  assert errs['block'][1] < 0.09   # E5M2 x E4M3
+  assert errs['block'][2] < 0.09
+  for i in range(3):
+    assert errs['block'][i] < 1.2 * errs['tensor'][i] + 1e-3
+    if np.prod(shape[:-1]) > 1:  # one token: every tile is exact in FP8
+      assert errs['bf16'][i] < errs['block'][i]
+
+
+def test_block_fanout_saves_only_fp8_and_scales():
+  k = jax.random.split(_key(), 3)
+  x = jax.random.normal(k[0], (2, 40, 64), jnp.bfloat16)
+  w1 = jax.random.normal(k[1], (64, 32)) * 0.1
+  w2 = jax.random.normal(k[2], (64, 48)) * 0.1
+  fn = lambda x, ws: cnn.fp8_dense(x, ws, scaling='block')
+  res = cnn.saved_residuals(fn, x, [w1, w2])
+  # x^T (K, M padded to 128) in E4M3 tiles along tokens, one scale per tile.
+  assert [(r.shape, str(r.dtype)) for r in res] == [
+      ((64, 128), 'float8_e4m3fn'), ((64, 1), 'float32')]
+  grads = jax.jit(jax.grad(lambda x, a, b: sum(
+      jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in fn(x, [a, b])),
+                           argnums=(0, 1, 2)))(x, w1, w2)
+  grads_ref = jax.grad(lambda x, a, b: sum(
+      jnp.sum(jnp.sin(_ref(x, w))) for w in (a, b)), argnums=(0, 1, 2))(
+          x, w1, w2)
+  for a, b in zip(grads, grads_ref):
+    assert _rel(a, b) < 0.1
+
+
+def test_block_nan_stays_in_its_token():
+  """Per-tile scales: a NaN input poisons its own token's outputs only."""
+  x = jnp.ones((16, 32), jnp.bfloat16).at[3, 5].set(jnp.nan)
+  y = np.asarray(jax.jit(_block)(x, jnp.ones((32, 16))), np.float32)
+  assert np.isnan(y[3]).all()
+  assert np.isfinite(np.delete(y, 3, axis=0)).all()
+
+
+def test_block_module_and_errors():
+  layer = cnn.CoatLinear(128, 64, scaling='block', rngs=nnx.Rngs(0))
+  x = jax.random.normal(_key(), (2, 5, 128), jnp.bfloat16)
+  y = nnx.jit(lambda m, v: m(v))(layer, x)
+  want = cnn.fp8_dense(x, [layer.kernel[...]], scaling='block')[0]
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray(want + layer.bias[...], np.float32))
+  with pytest.raises(ValueError, match="scaling='row'"):
+    cnn.CoatLinear(128, 64, scaling='row', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='scaling'):
+    cnn.fp8_dense(x, [layer.kernel[...]], scaling='rows')
+  other = cnn.CoatLinear(128, 64, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='scaling'):
+    cnn.fanout(x, [layer, other])
+
+
+@pytest.mark.gpu
+def test_gpu_block_layer_default_path_matches_xla():
+  """On one Hopper GPU the block layer's default path (Pallas quantizers,
+  the Mosaic block GEMM when present) against the all-XLA path."""
+  k = jax.random.split(_key(), 3)
+  x = jax.random.normal(k[0], (8, 512, 2048), jnp.bfloat16)
+  w = jax.random.normal(k[1], (2048, 5632)) * 0.02
+  dy = jax.random.normal(k[2], (8, 512, 5632), jnp.bfloat16)
+
+  def run(implementation):
+    fn = lambda a, b: cnn.fp8_dense(a, [b], scaling='block',
+                                    implementation=implementation)[0]
+    y, vjp = jax.vjp(fn, x, w)
+    return (y, *vjp(dy))
+
+  fast = jax.jit(lambda: run(None))()
+  slow = jax.jit(lambda: run('xla'))()
+  ref = jax.jit(lambda: (lambda y, vjp: (y, *vjp(dy.astype(jnp.float32))))(
+      *jax.vjp(_ref, x, w)))()
+  for a, b, r in zip(fast, slow, ref):
+    assert _rel(a, b) < 1e-2
+    assert _rel(a, r) < 0.09

@@ -54,6 +54,7 @@ def test_bad_overrides(override, message):
 
 @pytest.mark.parametrize('override,devices,message', [
     ('model.precision=fp4', 1, 'model.precision'),
+    ('model.scaling=row', 1, "model.scaling='row'.*'tensor', 'block'"),
     ('mesh.fsdp=3', 8, 'do(es)? not divide|devices'),
     ('mesh.data=2', 8, 'mesh data=2 x fsdp=1 x tensor=1 = 2 devices'),
     ('train.batch_size=12', 8, 'divisible by mesh.data x mesh.fsdp = 8'),

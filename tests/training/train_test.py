@@ -39,6 +39,23 @@ def test_three_steps_in_each_precision(tiny_config, precision):
   assert summary['step'] == 3 and summary['nonfinite_steps'] == 0
 
 
+def test_block_scaling_reaches_the_model_and_trains(tiny_config,
+                                                    monkeypatch):
+  seen = []
+  make = trainer.llama.Llama
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs.get('scaling'))
+    return make(*args, **kwargs)
+
+  monkeypatch.setattr(trainer.llama, 'Llama', spy)
+  config = tiny_config(model={'scaling': 'block'})
+  summary, losses = _train(config, jax.devices()[:1])
+  assert seen and set(seen) == {'block'}
+  assert len(losses) == 3 and all(np.isfinite(losses))
+  assert losses[-1] < losses[0] and summary['nonfinite_steps'] == 0
+
+
 def test_microbatches_accumulate_the_same_gradient(tiny_config, tmp_path):
   one = tiny_config(train={'run_dir': str(tmp_path / 'one')})
   two = tiny_config(train={'run_dir': str(tmp_path / 'two'),

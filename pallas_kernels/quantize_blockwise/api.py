@@ -1,0 +1,79 @@
+"""Block-scaled FP8 quantization (1x128 tiles, 128x128 blocks): public entry.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _common
+from pallas_kernels.quantize_blockwise import reference
+
+TILE = reference.TILE
+BLOCKS = reference.BLOCKS
+
+# The one-pass kernel should beat XLA's fusions (which cannot write both
+# layouts from one read); the lead confirms with benchmarks/kernels.py
+# --blockwise on the GPU.
+PALLAS_IS_DEFAULT = True
+
+
+def check_block(block: Any) -> tuple[int, int]:
+  """`block` as a tuple, or ValueError naming the allowed values."""
+  try:
+    b = tuple(int(v) for v in block)
+  except TypeError:
+    b = None
+  if b not in BLOCKS:
+    raise ValueError(
+        f'block={block!r} must be (1, 128) (tiles along the last axis) or'
+        ' (128, 128) (weight blocks).')
+  return b
+
+
+def quantize_blockwise(
+    x: jax.Array, block: tuple[int, int] = (1, TILE), dtype: Any = 'e4m3',
+    *, transpose: bool = False, pow2_scales: bool = False,
+    implementation: str | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+  """Quantizes `x` in 1x128 tiles or 128x128 blocks (see `reference`).
+
+  Args:
+    x: floating array. block (1, 128): any shape, tiled along the last axis
+      (a 0-d array is one tile); block (128, 128): 2-D.
+    block: (1, 128) or (128, 128).
+    dtype: 'e4m3' or 'e5m2'.
+    transpose: (1, 128) only: also the FP8 transpose of the 2-D view
+      (prod(shape[:-1]), K), tiled along its last axis, in the same pass.
+    pow2_scales: scales rounded up to powers of two (exact rescaling).
+    implementation: None (fastest available), 'xla' or 'pallas'.
+
+  Returns:
+    (values x.shape FP8, scales float32: x.shape[:-1] + (ceil(K / 128),) for
+    tiles, (ceil(M / 128), ceil(K / 128)) for blocks; values_t (K, M) FP8
+    and scales_t (K, ceil(M / 128)) float32 with transpose, else None).
+  """
+  block = check_block(block)
+  dt = _common.fp8_dtype(dtype)
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f'x has dtype {x.dtype}; quantization needs a floating'
+                    ' array (cast with x.astype(jnp.float32)).')
+  if block == (TILE, TILE):
+    if x.ndim != 2:
+      raise ValueError(
+          f'block=(128, 128) quantizes a 2-D weight; x has shape {x.shape}.'
+          ' Reshape it to 2-D or use block=(1, 128).')
+    if transpose:
+      raise ValueError(
+          'transpose=True is for block=(1, 128): a 128x128 block scale serves'
+          ' W and W^T alike (transpose the values yourself).')
+  impl, interpret = _common.resolve_implementation(
+      implementation, PALLAS_IS_DEFAULT)
+  if impl == 'pallas' and x.size:
+    from pallas_kernels.quantize_blockwise import pallas_triton
+    return pallas_triton.quantize_blockwise(
+        x, block, dt, transpose=transpose, pow2=bool(pow2_scales),
+        interpret=interpret)
+  return reference.quantize_blockwise(
+      x, block, dt, transpose=transpose, pow2=bool(pow2_scales))

@@ -1,0 +1,151 @@
+"""Block-scaled quantization as Pallas kernels (Triton lowering).
+
+Tiles (`_tiles_kernel`): each program reads one (block_rows, block_cols)
+tile of the 2-D view x (M, K) once (block sizes multiples of 128) and writes
+its FP8 values with their 1x128 scales along K and, with `transpose`, the
+tile's transpose into x^T (K, M) with 1x128 scales along M: the two layouts
+of the operand in one pass. Blocks (`_blocks_kernel`): one program per
+128x128 block. Out-of-range lanes load as zeros (the reference's zero
+padding) and are masked on store. The tile math is the reference's
+`encode_tiles`, with the kernel's `Ops`.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _common
+from pallas_kernels._common import pl
+from pallas_kernels._common import pltriton
+from pallas_kernels.quantize_blockwise import reference
+
+TILE = reference.TILE
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles of the 1x128 quantizer: multiples of 128, powers of two.
+
+  Attributes:
+    block_rows: rows (tokens) of a tile.
+    block_cols: columns (K) of a tile.
+    num_warps: warps per program.
+  """
+
+  block_rows: int = 128
+  block_cols: int = 128
+  num_warps: int = 8
+
+  def __post_init__(self):
+    for name in ('block_rows', 'block_cols'):
+      v = getattr(self, name)
+      if v < TILE or v & (v - 1):
+        raise ValueError(
+            f'BlockSizes.{name}={v} must be a power of two >= {TILE}.')
+
+
+def _spec(block, ncb, transposed=False):
+  if transposed:
+    return pl.BlockSpec(block, lambda p: (p % ncb, p // ncb))
+  return pl.BlockSpec(block, lambda p: (p // ncb, p % ncb))
+
+
+def _quantize_tile(x, dtype, pow2, ops):
+  """float32 (r, c) -> (values (r, c), scales (r, c // 128))."""
+  r, c = x.shape
+  values, scales = reference.encode_tiles(
+      x.reshape(r, c // TILE, TILE), dtype, pow2, ops)
+  return values.reshape(r, c), scales
+
+
+def _tiles_kernel(x_ref, *out_refs, rows, cols, ncb, dtype, pow2, transpose,
+                  ops):
+  br, bc = x_ref.shape
+  pid = pl.program_id(0)
+  i, j = pid // ncb, pid % ncb
+  exact = rows % br == 0 and cols % bc == 0
+  mask = None if exact else _common.tile_mask(i, j, (br, bc), (rows, cols))
+  x = _common.masked_load(x_ref, mask, 0.0)
+  values, scales = _quantize_tile(x, dtype, pow2, ops)
+  smask = None if exact else _common.tile_mask(
+      i, j, (br, bc // TILE), (rows, pl.cdiv(cols, TILE)))
+  pltriton.store(out_refs[0], values, mask=mask)
+  pltriton.store(out_refs[1], scales, mask=smask)
+  if transpose:
+    values_t, scales_t = _quantize_tile(x.T, dtype, pow2, ops)
+    tmask = None if exact else _common.tile_mask(
+        j, i, (bc, br // TILE), (cols, pl.cdiv(rows, TILE)))
+    pltriton.store(out_refs[2], values_t, mask=None if exact else mask.T)
+    pltriton.store(out_refs[3], scales_t, mask=tmask)
+
+
+def _blocks_kernel(x_ref, v_ref, s_ref, *, rows, cols, ncb, dtype, pow2, ops):
+  pid = pl.program_id(0)
+  i, j = pid // ncb, pid % ncb
+  exact = rows % TILE == 0 and cols % TILE == 0
+  mask = None if exact else _common.tile_mask(
+      i, j, (TILE, TILE), (rows, cols))
+  x = _common.masked_load(x_ref, mask, 0.0)
+  amax = _common.abs_max(_common.abs_max(jnp.abs(x), 1)[None, :], 1)  # (1,)
+  scale = reference.scale_from_amax(amax, dtype, pow2)
+  values = _common.saturate(ops.div(x, scale[:, None]), dtype, ops)
+  pltriton.store(v_ref, values, mask=mask)
+  s_ref[...] = jnp.broadcast_to(scale[:, None], s_ref.shape)
+
+
+@functools.partial(
+    jax.jit, static_argnames=('block', 'dtype', 'transpose', 'pow2',
+                              'block_sizes', 'interpret'))
+def quantize_blockwise(
+    x: jax.Array, block: tuple[int, int] = (1, TILE), dtype: Any = 'e4m3',
+    *, transpose: bool = False, pow2: bool = False,
+    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+  """Pallas version of `reference.quantize_blockwise` (same contract)."""
+  dt = _common.fp8_dtype(dtype)
+  shape = x.shape
+  rows, cols = _common.as_2d(shape)
+  x2 = x.reshape(rows, cols)
+  kb, mb = pl.cdiv(cols, TILE), pl.cdiv(rows, TILE)
+  ops = _common.kernel_ops(interpret)
+  if tuple(block) == (TILE, TILE):
+    values, scales = pl.pallas_call(
+        functools.partial(_blocks_kernel, rows=rows, cols=cols, ncb=kb,
+                          dtype=dt, pow2=pow2, ops=ops),
+        grid=(mb * kb,),
+        in_specs=[_spec((TILE, TILE), kb)],
+        out_specs=[_spec((TILE, TILE), kb), _spec((1, 1), kb)],
+        out_shape=[jax.ShapeDtypeStruct((rows, cols), dt),
+                   jax.ShapeDtypeStruct((mb, kb), jnp.float32)],
+        interpret=interpret,
+        compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
+        name='quantize_blocks',
+    )(x2)
+    return values.reshape(shape), scales, None, None
+  br, bc = block_sizes.block_rows, block_sizes.block_cols
+  ncb = pl.cdiv(cols, bc)
+  out_shape = [jax.ShapeDtypeStruct((rows, cols), dt),
+               jax.ShapeDtypeStruct((rows, kb), jnp.float32)]
+  out_specs = [_spec((br, bc), ncb), _spec((br, bc // TILE), ncb)]
+  if transpose:
+    out_shape += [jax.ShapeDtypeStruct((cols, rows), dt),
+                  jax.ShapeDtypeStruct((cols, mb), jnp.float32)]
+    out_specs += [_spec((bc, br), ncb, True),
+                  _spec((bc, br // TILE), ncb, True)]
+  outs = pl.pallas_call(
+      functools.partial(_tiles_kernel, rows=rows, cols=cols, ncb=ncb,
+                        dtype=dt, pow2=pow2, transpose=transpose, ops=ops),
+      grid=(pl.cdiv(rows, br) * ncb,),
+      in_specs=[_spec((br, bc), ncb)],
+      out_specs=out_specs, out_shape=out_shape, interpret=interpret,
+      compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
+      name='quantize_tiles',
+  )(x2)
+  values = outs[0].reshape(shape)
+  scales = outs[1].reshape(shape[:-1] + (kb,) if shape else (kb,))
+  if not transpose:
+    return values, scales, None, None
+  return values, scales, outs[2], outs[3]

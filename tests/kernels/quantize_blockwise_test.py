@@ -1,0 +1,276 @@
+"""Tests of pallas_kernels.quantize_blockwise (1x128 tiles, 128x128 blocks).
+
+CPU: the reference against quantize_per_group and hand rules (padding, zero
+tiles, NaN/Inf confinement, power-of-two scales), the interpreted Pallas
+kernel against the reference bit for bit. GPU (marked `gpu`): the compiled
+kernel against the reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quantize_blockwise import api
+from pallas_kernels.quantize_blockwise import pallas_triton
+from pallas_kernels.quantize_blockwise import reference
+from pallas_kernels.quantize_per_group import reference as group_reference
+
+FORMATS = ['e4m3', 'e5m2']
+FMAX = {'e4m3': 448.0, 'e5m2': 57344.0}
+
+
+def f32(x):
+  return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def assert_same(outs, wants):
+  """Bitwise equality of (values, scales, ...) tuples (NaN == NaN)."""
+  assert len(outs) == len(wants)
+  for out, want in zip(outs, wants):
+    if want is None:
+      assert out is None
+      continue
+    assert out.shape == want.shape and out.dtype == want.dtype
+    np.testing.assert_array_equal(f32(out), f32(want))
+
+
+def normal(seed, shape, scale=1.0):
+  return jax.random.normal(jax.random.key(seed), shape) * scale
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+@pytest.mark.parametrize('shape', [(4, 384), (3, 5, 200), (7,), (130, 1)])
+def test_tiles_are_per_group_128(fmt, shape):
+  x = normal(0, shape, 3.0)
+  values, scales, _, _ = reference.quantize_blockwise(x, (1, 128), fmt)
+  want_v, want_s, _ = group_reference.quantize_per_group(x, 128, fmt)
+  assert_same((values, scales), (want_v, want_s))
+
+
+@pytest.mark.parametrize('pow2', [False, True])
+def test_transposed_copy_is_the_tiles_of_x_t(pow2):
+  x = normal(1, (200, 300))
+  _, _, values_t, scales_t = reference.quantize_blockwise(
+      x, (1, 128), 'e5m2', transpose=True, pow2=pow2)
+  want = reference.quantize_blockwise(x.T, (1, 128), 'e5m2', pow2=pow2)
+  assert values_t.shape == (300, 200) and scales_t.shape == (300, 2)
+  assert_same((values_t, scales_t), want[:2])
+
+
+@pytest.mark.parametrize('pow2', [False, True])
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_blocks_match_a_hand_computation(fmt, pow2):
+  x = np.array(normal(2, (200, 300)), np.float64)
+  x[130:, :128] *= 1000.0  # blocks with different scales
+  values, scales, _, _ = reference.quantize_blockwise(
+      jnp.asarray(x, jnp.float32), (128, 128), fmt, pow2=pow2)
+  assert scales.shape == (2, 3) and values.shape == (200, 300)
+  x32 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  for i in range(2):
+    for j in range(3):
+      tile = x32[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+      amax = np.abs(tile).max()
+      s = float(scales[i, j])
+      if pow2:
+        assert s == 2.0 ** np.ceil(np.log2(amax / FMAX[fmt]))
+      else:
+        assert s == np.float32(np.float32(amax) * (np.float32(1)
+                                                   / np.float32(FMAX[fmt])))
+      v = f32(values[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128])
+      want = jnp.clip(jnp.asarray(tile / s, jnp.float32), -FMAX[fmt],
+                      FMAX[fmt]).astype(jnp.dtype(jnp.float8_e4m3fn
+                                                  if fmt == 'e4m3'
+                                                  else jnp.float8_e5m2))
+      if pow2:  # x / 2^e is exact: the only rounding is the cast
+        np.testing.assert_array_equal(v, f32(want))
+
+
+def test_partial_tiles_are_zero_padded():
+  """Shapes not multiples of 128: the result is the padded array's, cut."""
+  x = normal(3, (150, 260))
+  xp = jnp.pad(x, ((0, 106), (0, 124)))
+  for block in [(1, 128), (128, 128)]:
+    quantize = jax.jit(lambda v, b=block: reference.quantize_blockwise(
+        v, b, transpose=b[0] == 1))
+    got, want = quantize(x), quantize(xp)
+    np.testing.assert_array_equal(f32(got[0]), f32(want[0])[:150, :260])
+    if block[0] == 1:
+      np.testing.assert_array_equal(f32(got[1]), f32(want[1])[:150])
+      np.testing.assert_array_equal(f32(got[2]), f32(want[2])[:260, :150])
+      np.testing.assert_array_equal(f32(got[3]), f32(want[3])[:260])
+    else:
+      np.testing.assert_array_equal(f32(got[1]), f32(want[1]))
+
+
+@pytest.mark.parametrize('block', [(1, 128), (128, 128)])
+def test_zero_tile_has_scale_one_and_nan_inf_stay_in_their_tile(block):
+  x = np.array(normal(4, (256, 256)))
+  x[:128, 128:] = 0.0  # a zero tile / block
+  clean = reference.quantize_blockwise(jnp.asarray(x), block,
+                                       transpose=block[0] == 1)
+  assert float(f32(clean[1]).min()) > 0
+  if block[0] == 1:
+    assert (f32(clean[1])[:128, 1] == 1).all()
+    assert (f32(clean[0])[:128, 128:] == 0).all()
+  else:
+    assert f32(clean[1])[0, 1] == 1
+  x[5, 7] = np.nan
+  x[200, 130] = np.inf
+  got = reference.quantize_blockwise(jnp.asarray(x), block,
+                                     transpose=block[0] == 1)
+  s, s0 = f32(got[1]), f32(clean[1])
+  if block[0] == 1:
+    bad = np.zeros_like(s, bool)
+    bad[5, 0] = bad[200, 1] = True
+    bad_t = np.zeros_like(f32(got[3]), bool)
+    bad_t[7, 0] = bad_t[130, 1] = True
+    assert np.isnan(f32(got[3])[bad_t]).all()
+    np.testing.assert_array_equal(f32(got[3])[~bad_t], f32(clean[3])[~bad_t])
+  else:
+    bad = np.array([[True, False], [False, True]])
+  assert np.isnan(s[bad]).all()
+  np.testing.assert_array_equal(s[~bad], s0[~bad])
+  rows_ok = np.ones(256, bool)
+  rows_ok[[5, 200]] = False
+  if block[0] == 1:  # untouched rows keep their codes
+    np.testing.assert_array_equal(f32(got[0])[rows_ok], f32(clean[0])[rows_ok])
+  else:  # untouched blocks keep their codes
+    np.testing.assert_array_equal(f32(got[0])[:128, 128:],
+                                  f32(clean[0])[:128, 128:])
+    np.testing.assert_array_equal(f32(got[0])[128:, :128],
+                                  f32(clean[0])[128:, :128])
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_pow2_scale_rule(fmt):
+  fmax = FMAX[fmt]
+  amax = np.array([0.0, fmax, fmax * 1.0000001, 1.0, 1.75 * 2**-4,
+                   1.7500001 * 2**-4, 3e38, 1e-30, np.nan, np.inf],
+                  np.float32)
+  got = f32(reference.pow2_scale(jnp.asarray(amax), fmt))
+  with np.errstate(divide='ignore', invalid='ignore'):
+    want = 2.0 ** np.ceil(np.log2(amax.astype(np.float64) / fmax))
+  want[0] = 1.0
+  want[-2:] = np.nan
+  want = np.maximum(want, 2.0**-126)
+  np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_pow2_rescaling_is_exact_and_never_saturates():
+  x = normal(5, (64, 256), 7.0)
+  values, scales, _, _ = reference.quantize_blockwise(
+      x, (1, 128), 'e4m3', pow2=True)
+  s = f32(scales)
+  assert (s == 2.0 ** np.round(np.log2(s))).all()
+  amax = np.abs(np.asarray(x)).reshape(64, 2, 128).max(-1)
+  assert (amax <= s * 448).all() and (amax > s * 224).all()
+  # Representable x (codes times a power of two) come back exactly.
+  deq = (f32(values).reshape(64, 2, 128) * s[..., None]).reshape(64, 256)
+  again = reference.quantize_blockwise(
+      jnp.asarray(deq), (1, 128), 'e4m3', pow2=True)
+  deq2 = f32(again[0]).reshape(64, 2, 128) * f32(again[1])[..., None]
+  np.testing.assert_array_equal(deq2.reshape(64, 256), deq)
+
+
+def test_accuracy_float32_vs_pow2_scales_against_float64():
+  """Both below half an E4M3 step; power-of-two scales use less of the
+  range, so their mean relative error is a little higher (printed)."""
+  x = np.array(normal(6, (256, 512))) * np.exp(
+      np.array(normal(7, (256, 1))))
+  errs = {}
+  for pow2 in (False, True):
+    v, s, _, _ = reference.quantize_blockwise(
+        jnp.asarray(x), (1, 128), 'e4m3', pow2=pow2)
+    deq = f32(v).astype(np.float64).reshape(256, 4, 128) * f32(s)[..., None]
+    err = np.abs(deq.reshape(256, 512) - x) / np.abs(x).max(-1, keepdims=True)
+    errs[pow2] = (err.mean(), err.max())
+  print(f'1x128 E4M3 error vs float64 (mean, max / row amax): float32 scales'
+        f' {errs[False]}, pow2 scales {errs[True]}')
+  assert errs[False][1] <= 2**-4 and errs[True][1] <= 2**-4
+  assert errs[False][0] <= errs[True][0]
+
+
+# ------------------------------------------------ the kernel (interpreted)
+
+KERNEL_CASES = [
+    ((128, 128), pallas_triton.BlockSizes()),
+    ((200, 300), pallas_triton.BlockSizes()),
+    ((256, 512), pallas_triton.BlockSizes(256, 256)),
+    ((3, 5, 40), pallas_triton.BlockSizes()),
+    ((1, 1), pallas_triton.BlockSizes()),
+]
+
+
+@pytest.mark.parametrize('shape,sizes', KERNEL_CASES)
+@pytest.mark.parametrize('fmt,pow2', [('e4m3', False), ('e5m2', True)])
+def test_kernel_tiles_match_reference(shape, sizes, fmt, pow2):
+  x = np.array(normal(8, shape, 5.0))
+  if x.size > 1000:
+    x.reshape(-1)[17] = np.nan
+    x.reshape(-1)[-3] = -np.inf
+    x.reshape(x.shape[0] if x.ndim == 2 else -1, -1)[:, :128][:64] = 0.0
+  x = jnp.asarray(x, jnp.bfloat16)
+  transpose = x.ndim == 2
+  got = pallas_triton.quantize_blockwise(
+      x, (1, 128), fmt, transpose=transpose, pow2=pow2, block_sizes=sizes,
+      interpret=True)
+  want = reference.quantize_blockwise(x, (1, 128), fmt, transpose=transpose,
+                                      pow2=pow2)
+  assert_same(got, want)
+
+
+@pytest.mark.parametrize('shape', [(256, 128), (144, 272)])
+@pytest.mark.parametrize('fmt,pow2', [('e4m3', True), ('e5m2', False)])
+def test_kernel_blocks_match_reference(shape, fmt, pow2):
+  x = np.array(normal(9, shape, 0.02))
+  x[130, 3] = np.nan
+  got = pallas_triton.quantize_blockwise(
+      jnp.asarray(x), (128, 128), fmt, pow2=pow2, interpret=True)
+  want = reference.quantize_blockwise(jnp.asarray(x), (128, 128), fmt,
+                                      pow2=pow2)
+  assert_same(got, want)
+
+
+def test_api_dispatch_and_errors():
+  x = normal(10, (16, 256))
+  a = api.quantize_blockwise(x, (1, 128), transpose=True,
+                             implementation='pallas')
+  b = api.quantize_blockwise(x, (1, 128), transpose=True,
+                             implementation='xla')
+  assert_same(a, b)
+  c = api.quantize_blockwise(jnp.zeros((0, 128)), (1, 128),
+                             implementation='pallas')
+  assert c[0].shape == (0, 128) and c[1].shape == (0, 1)
+  with pytest.raises(ValueError, match='block'):
+    api.quantize_blockwise(x, (1, 64))
+  with pytest.raises(ValueError, match='2-D'):
+    api.quantize_blockwise(jnp.ones((2, 3, 4)), (128, 128))
+  with pytest.raises(ValueError, match='transpose'):
+    api.quantize_blockwise(x, (128, 128), transpose=True)
+  with pytest.raises(TypeError, match='floating'):
+    api.quantize_blockwise(jnp.arange(16), (1, 128))
+  with pytest.raises(ValueError, match='dtype'):
+    api.quantize_blockwise(x, (1, 128), 'e3m4')
+  with pytest.raises(ValueError, match='block_rows'):
+    pallas_triton.BlockSizes(64, 128)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('shape', [(4096, 2048), (2000, 5632), (300, 200)])
+@pytest.mark.parametrize('pow2', [False, True])
+def test_gpu_kernel_matches_reference(shape, pow2):
+  x = normal(11, shape, 3.0).astype(jnp.bfloat16)
+  for fmt in FORMATS:
+    got = pallas_triton.quantize_blockwise(x, (1, 128), fmt, transpose=True,
+                                           pow2=pow2)
+    want = jax.jit(lambda v, f=fmt: reference.quantize_blockwise(
+        v, (1, 128), f, transpose=True, pow2=pow2))(x)
+    assert_same(got, want)
+    got = pallas_triton.quantize_blockwise(x, (128, 128), fmt, pow2=pow2)
+    want = jax.jit(lambda v, f=fmt: reference.quantize_blockwise(
+        v, (128, 128), f, pow2=pow2))(x)
+    assert_same(got, want)
