@@ -1,0 +1,325 @@
+"""Block-scaled FP8 matmul for Hopper GPUs in Pallas Mosaic GPU (wgmma, TMA).
+
+  out[m, n] = sum_kb (sum_{k in kb} a[m, k] b[n, k]) * a_scale[m, kb]
+                                                     * b_scale[., kb]
+
+a (M, K) and b (N, K) are K-major FP8; kb runs over the K // 128 blocks of
+128 along K. a_scale (M, K // 128) float32 holds one scale per row of a per
+128 of K (1x128 tiles). b_scale is either per 128x128 block of b,
+(cdiv(N, 128), K // 128), read as b_scale[n // 128, kb] (`'block'`: the
+weights of the forward and dgrad GEMMs), or per row of b per 128 of K,
+(N, K // 128), read as b_scale[n, kb] (`'row'`: the wgrad GEMM, whose
+operands are both tiled along tokens). DeepSeek-V3's granularity.
+
+The kernel is `mosaic_gpu`'s (persistent, warp specialized, TMA, wgmma,
+FP32 promotion every 128 of K; overlapped tiles with THREE_WG_CONFIG) with
+the scales applied where each 128-K wgmma partial is promoted:
+total += part * a_s[:, None] * b_s, with
+- a_s: the warpgroup's rows of a_scale for that K block, pipelined by TMA
+  beside the A and B tiles from a copy laid out (K // 128, M) in the wrapper
+  (a (split_k, compute_wgs, wg_m) block per step, so that each warpgroup
+  loads its own contiguous row vector, WGMMA row layout);
+- b_s: for 'block' one float32 scalar per (N tile, K block), since
+  block_n == 128, read from GMEM at the start of the step so its latency
+  hides behind the wgmma; for 'row' a (block_n,) column vector per K block,
+  pipelined by TMA from a (K // 128, N) copy (WGMMA column layout).
+The output is not scaled again: the FP32 sum is cast and stored.
+
+NaN and Inf propagate by IEEE rules: a NaN in a[m, :] or a_scale[m, :]
+makes row m of the output NaN, a NaN in b_scale makes its block's (or
+row's) output columns NaN; a zero scale times an Inf partial sum is NaN.
+
+Needs Config(promote=True) with block_k == 128 * split_k (one scale per
+wgmma partial), cluster_m == 1, chain_tiles False, and block_n == 128 for
+'block' scales. Runs on Hopper GPUs with jax 0.11.2; imports anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_matmul import mosaic_gpu
+from pallas_kernels.fp8_matmul.mosaic_gpu import Config
+from pallas_kernels.fp8_matmul.mosaic_gpu import pl
+from pallas_kernels.fp8_matmul.mosaic_gpu import plgpu
+
+SCALE_BLOCK = 128  # elements of K (and of N for 'block' scales) per scale
+GRANULARITIES = ('block', 'row')
+_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+_E5M2 = jnp.dtype(jnp.float8_e5m2)
+_DTYPE_PAIRS = ((_E4M3, _E4M3), (_E5M2, _E4M3), (_E4M3, _E5M2))
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def validate_config(cfg: Config, b_granularity: str):
+  """Raises ValueError unless `cfg` can run the block-scaled kernel."""
+  cfg.validate(1)
+  if not cfg.promote or cfg.block_k != SCALE_BLOCK * cfg.split_k:
+    raise ValueError(
+        f'{cfg}: block scales need promote=True and block_k == 128 *'
+        ' split_k (one wgmma partial per 128 of K).')
+  if cfg.cluster_m != 1 or cfg.chain_tiles:
+    raise ValueError(f'{cfg}: block scales need cluster_m=1 and'
+                     ' chain_tiles=False.')
+  if b_granularity == 'block' and cfg.block_n != SCALE_BLOCK:
+    raise ValueError(f'block_n={cfg.block_n}: \'block\' b scales need'
+                     ' block_n == 128 (one scale per tile and K block).')
+
+
+def select_config(m: int, n: int, num_ctas: int | None = None) -> Config:
+  """The per-tensor kernel's choice for an (m, n) output (both candidates
+  run block scales)."""
+  return mosaic_gpu.select_config(m, n, num_ctas)
+
+
+def _load(ref, layout):
+  """plgpu.load of a whole ref; jax 0.10 wants the index as an argument."""
+  try:
+    return plgpu.load(ref, layout=layout)
+  except TypeError:  # jax < 0.11: `idx` is positional and required.
+    return plgpu.load(ref, None, layout=layout)
+
+
+def _promote_scaled(total, accs, scale, release=()):
+  """total + sum_j scale(j)(the j-th wgmma result), waiting for one wgmma
+  at a time; arrives on the `release` barriers once all wgmmas are done,
+  before the last add. scale(j) reads that partial's scales and returns the
+  function that applies them."""
+  for j, acc in enumerate(accs):
+    part = plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - j)
+    apply = scale(j)
+    if j == len(accs) - 1:
+      for barrier in release:
+        plgpu.barrier_arrive(barrier)
+    total = total + apply(part)
+  return total
+
+
+def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
+            cfg: Config, b_granularity: str, m_iters: int, n_iters: int,
+            k_iters: int, stages: int):
+  """Kernel body. GMEM: a (Mp, Kp), b (Np, Kp) FP8; as (Kp / 128,
+  Mp' / wg_m, wg_m) f32 (a_scale transposed, Mp' = m_iters * block_m); bs
+  (n_iters, Kp / 128) f32 for 'block', (Kp / 128, n_iters * block_n) for
+  'row'; out (Mp, Np). out_smem: the epilogue's buffer."""
+  wg_m = cfg.wg_m
+  blocks = cfg.split_k  # 128-K blocks (and wgmma partials) per step
+  rows_b = b_granularity == 'row'
+  overlap = mosaic_gpu.overlaps_tiles(cfg, k_iters, stages)
+  scale_specs = [plgpu.BlockSpec(
+      (blocks, cfg.compute_wgs, wg_m), lambda k: (k, 0, 0),
+      memory_space=plgpu.SMEM)]
+  if rows_b:
+    scale_specs.append(plgpu.BlockSpec(
+        (blocks, cfg.block_n), lambda k: (k, 0), memory_space=plgpu.SMEM))
+  num_inputs = 2 + len(scale_specs)
+  make_pipeline = lambda body, context, state=None: mosaic_gpu._pipeline(  # pylint: disable=protected-access
+      body, context, cfg=cfg, grid=(k_iters,), a_index=lambda k: (0, k),
+      b_index=lambda k: (0, k), a_dtype=a_gmem.dtype, b_dtype=b_gmem.dtype,
+      stages=stages, manual_release=cfg.early_release, state=state,
+      extra_specs=scale_specs)
+  ignore = lambda *_, **__: None
+  gmem_scales = (as_gmem, bs_gmem) if rows_b else (as_gmem,)
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
+  cols_layout = plgpu.Layout.WGMMA.reduce(0)
+  bcast = lambda v, dim: lax.broadcast_in_dim(v, (wg_m, cfg.block_n), (dim,))
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=make_pipeline(ignore, ignore).get_allocations(
+          a_gmem, b_gmem, *gmem_scales),
+      tile_start=(plgpu.Barrier(num_arrivals=cfg.compute_wgs) if overlap
+                  else None),
+      collective_axes='wg',
+  )
+  def _scope(allocs, tile_start):
+    wg = lax.axis_index('wg')
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes='sm')
+    def _tile_loop(info):
+      (lin,) = info.index
+      mi, ni = plgpu.planar_snake(
+          lin, (m_iters, n_iters), 0 if cfg.grid_minor_m else 1,
+          cfg.grid_tile_width)
+      m_sl = pl.ds(mi * cfg.block_m, cfg.block_m)
+      n_sl = pl.ds(ni * cfg.block_n, cfg.block_n)
+      wg_sl = pl.ds(wg * wg_m, wg_m)
+
+      def body(idx, *args):
+        (k,) = idx
+        smems, release, carry = (args[:num_inputs], args[num_inputs:-1],
+                                 args[-1])
+        a_smem, b_smem, as_smem = smems[:3]
+        # A and B go back to TMA as soon as their wgmmas are done; the
+        # scales once read (the adds may then interleave with their loads).
+        ab_release, scale_release = release[:2], release[2:]
+
+        def step(*accs):
+          if not rows_b:  # GMEM scalars, issued before the wgmmas.
+            b_s = [bs_gmem[ni, k * blocks + j] for j in range(blocks)]
+          mosaic_gpu._issue_wgmmas(accs, a_smem, b_smem, wg_sl)  # pylint: disable=protected-access
+          a_s = [_load(as_smem.at[j, wg], rows_layout)
+                 for j in range(blocks)]
+
+          def scale(j):
+            if rows_b:
+              cols = _load(smems[3].at[j], cols_layout)
+              return lambda part: part * bcast(cols, 1) * bcast(a_s[j], 0)
+            s = a_s[j] * b_s[j]
+            return lambda part: part * bcast(s, 0)
+
+          total = _promote_scaled(carry, accs, scale, ab_release)
+          for barrier in scale_release:
+            plgpu.barrier_arrive(barrier)
+          return total
+        return pl.run_scoped(
+            step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] *
+            cfg.split_k)
+
+      def context(run_pipeline):
+        if overlap:
+          mosaic_gpu._line_up(tile_start)  # pylint: disable=protected-access
+        acc = run_pipeline(mosaic_gpu._zero_acc(cfg))  # pylint: disable=protected-access
+        mosaic_gpu._store_tile(  # pylint: disable=protected-access
+            acc, None, out_gmem.at[pl.ds(mi * cfg.block_m + wg * wg_m, wg_m),
+                                   n_sl], out_smem, wg)
+
+      as_tile = as_gmem.at[:, pl.ds(mi * cfg.compute_wgs, cfg.compute_wgs)]
+      tile_scales = (as_tile, bs_gmem.at[:, n_sl]) if rows_b else (as_tile,)
+
+      def run(state=None):
+        make_pipeline(body, context, state)(
+            a_gmem.at[m_sl, :], b_gmem.at[n_sl, :], *tile_scales,
+            allocations=allocs)
+
+      if overlap:  # As mosaic_gpu._kernel: START, then STEADY pipelines.
+        states = plgpu.PipelinePipeline
+        lax.cond(info.local_index == 0, lambda: run(states.START),
+                 lambda: run(states.STEADY))
+      else:
+        run()
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def fp8_matmul_block_scaled_mosaic(
+    a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
+    b_granularity: str, out_dtype=jnp.bfloat16,
+    config: Config | None = None) -> jax.Array:
+  """Block-scaled (a @ b.T) on Hopper with Pallas Mosaic GPU.
+
+  Args:
+    a: (M, K) float8_e4m3fn or float8_e5m2, M a multiple of 16, K of 128.
+    b: (N, K) float8 (K-major, like a), N a multiple of 16. E5M2 x E5M2 is
+      rejected.
+    a_scale: (M, K // 128) float32, the scale of a[m, 128 kb : 128 (kb + 1)].
+    b_scale: float32, (cdiv(N, 128), K // 128) for b_granularity='block'
+      (the scale of the 128x128 block b[128 nb :, 128 kb :]), or
+      (N, K // 128) for 'row' (the scale of b[n, 128 kb : 128 (kb + 1)]).
+    b_granularity: 'block' or 'row' (static).
+    out_dtype: bfloat16 or float32.
+    config: tiling; `select_config(M, N)` when None (see `validate_config`).
+
+  Returns:
+    (M, N) out_dtype: sum over kb of each 128-K partial sum (FP32, exact
+    products, promoted every 128 of K) times a_scale[m, kb] times b's scale.
+  """
+  if plgpu is None:
+    raise RuntimeError('jax.experimental.pallas.mosaic_gpu is unavailable.')
+  m, n, k = _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype)
+  cfg = config or select_config(m, n)
+  validate_config(cfg, b_granularity)
+  return _call_kernel(a, b, a_scale, b_scale, b_granularity,
+                      jnp.dtype(out_dtype), cfg, m, n, k)
+
+
+def _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype):
+  """Validates the arguments; returns (M, N, K)."""
+  if b_granularity not in GRANULARITIES:
+    raise ValueError(f'b_granularity must be \'block\' or \'row\', got'
+                     f' {b_granularity!r}.')
+  for name, x in (('a', a), ('b', b)):
+    if getattr(x, 'ndim', None) != 2:
+      raise ValueError(f'{name} must be 2-D, got shape'
+                       f' {getattr(x, "shape", None)}.')
+  if (jnp.dtype(a.dtype), jnp.dtype(b.dtype)) not in _DTYPE_PAIRS:
+    raise ValueError(
+        f'a, b dtypes {a.dtype}, {b.dtype}: need float8_e4m3fn x'
+        ' float8_e4m3fn, float8_e5m2 x float8_e4m3fn or float8_e4m3fn x'
+        ' float8_e5m2.')
+  (m, k), (n, k2) = a.shape, b.shape
+  if k != k2:
+    raise ValueError(f'a {a.shape} and b {b.shape} must have the same K.')
+  if k % SCALE_BLOCK or m % 16 or n % 16:
+    raise ValueError(
+        f'a {a.shape}, b {b.shape}: need K a multiple of 128 and M, N'
+        ' multiples of 16 (pad the operands and their scales).')
+  kb = k // SCALE_BLOCK
+  nb = n if b_granularity == 'row' else pl.cdiv(n, SCALE_BLOCK)
+  for name, s, want in (('a_scale', a_scale, (m, kb)),
+                        ('b_scale', b_scale, (nb, kb))):
+    if getattr(s, 'shape', None) != want:
+      raise ValueError(
+          f'{name} has shape {getattr(s, "shape", None)}; need {want} for a'
+          f' {a.shape}, b {b.shape} and b_granularity={b_granularity!r}.')
+    if jnp.dtype(s.dtype) != jnp.float32:
+      raise ValueError(f'{name} must be float32, got {s.dtype}.')
+  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+    raise ValueError(f'out_dtype must be bfloat16 or float32, got'
+                     f' {out_dtype}.')
+  return m, n, k
+
+
+def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
+                 k):
+  """Pads to whole tiles, lays the scales out for TMA, runs the kernel."""
+  rows_b = b_granularity == 'row'
+  blocks = cfg.split_k
+  # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32.
+  scale_bytes = blocks * 4 * (cfg.block_m + (cfg.block_n if rows_b else 0))
+  stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
+      cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes)
+  out_smem = plgpu.SMEM((cfg.compute_wgs, cfg.wg_m, epi_n), out_dtype,
+                        transforms=mosaic_gpu._transforms(out_dtype, epi_n))  # pylint: disable=protected-access
+  if cfg.pad_mn:
+    mp = mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
+    np_ = mosaic_gpu._round_up(n, cfg.block_n)  # pylint: disable=protected-access
+  else:  # TMA stores need N to be whole columns of the output's SMEM tiling.
+    mp = m
+    np_ = mosaic_gpu._round_up(n, out_smem.transforms[0].tiling[1])  # pylint: disable=protected-access
+  kp = mosaic_gpu._round_up(k, cfg.block_k)  # pylint: disable=protected-access
+  if (mp, kp) != (m, k):
+    a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
+  if (np_, kp) != (n, k):
+    b = jnp.pad(b, ((0, np_ - n), (0, kp - k)))
+  m_iters = pl.cdiv(mp, cfg.block_m)
+  n_iters = pl.cdiv(np_, cfg.block_n)
+  k_iters = kp // cfg.block_k
+  kb, kbp = k // SCALE_BLOCK, kp // SCALE_BLOCK
+  # Zero scales past the edges: the operands are zero (or clipped) there.
+  ms = m_iters * cfg.block_m
+  a_s = jnp.pad(a_scale.T, ((0, kbp - kb), (0, ms - m)))
+  a_s = a_s.reshape(kbp, ms // cfg.wg_m, cfg.wg_m)
+  if rows_b:
+    b_s = jnp.pad(b_scale.T, ((0, kbp - kb), (0, n_iters * cfg.block_n - n)))
+  else:
+    b_s = jnp.pad(b_scale, ((0, n_iters - b_scale.shape[0]), (0, kbp - kb)))
+  f = plgpu.kernel(
+      functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
+                        m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
+                        stages=stages),
+      out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+      scratch_types=[out_smem],
+      grid=(mosaic_gpu._num_sms(),),  # pylint: disable=protected-access
+      grid_names=('sm',),
+      num_threads=cfg.compute_wgs + 1,
+      thread_name='wg',
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=mosaic_gpu.LOWERING_SEMANTICS[0]),
+  )
+  out = f(a, b, a_s, b_s)
+  return out[:m, :n] if (mp, np_) != (m, n) else out
