@@ -274,6 +274,33 @@ def _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype):
   return m, n, k
 
 
+def scale_layout(a_scale, b_scale, b_granularity: str, cfg: Config,
+                 n_iters: int | None = None):
+  """The scales as the kernel reads them (zero past the edges, where the
+  operands are zero or clipped), for a K padded to whole `cfg.block_k`:
+
+  a_s: (Kp / 128, m_tiles * compute_wgs, wg_m), a_s[kb, i, r] =
+    a_scale[i * wg_m + r, kb] (one TMA block per K step and M tile).
+  b_s: 'row': (Kp / 128, n_iters * block_n), b_s[kb, n] = b_scale[n, kb];
+    'block': (n_iters, Kp / 128), b_scale padded (read as GMEM scalars).
+  n_iters: N tiles (default: cdiv(N, block_n)).
+  """
+  m, kb = a_scale.shape
+  kbp = mosaic_gpu._round_up(kb * SCALE_BLOCK, cfg.block_k) // SCALE_BLOCK  # pylint: disable=protected-access
+  ms = mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
+  a_s = jnp.pad(a_scale.T, ((0, kbp - kb), (0, ms - m)))
+  a_s = a_s.reshape(kbp, ms // cfg.wg_m, cfg.wg_m)
+  if b_granularity == 'row':
+    n = b_scale.shape[0]
+    n_iters = n_iters or pl.cdiv(n, cfg.block_n)
+    b_s = jnp.pad(b_scale.T, ((0, kbp - kb), (0, n_iters * cfg.block_n - n)))
+  else:
+    nb = b_scale.shape[0]
+    n_iters = n_iters or nb
+    b_s = jnp.pad(b_scale, ((0, n_iters - nb), (0, kbp - kb)))
+  return a_s, b_s
+
+
 def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
                  k):
   """Pads to whole tiles, lays the scales out for TMA, runs the kernel."""
@@ -299,15 +326,7 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
   m_iters = pl.cdiv(mp, cfg.block_m)
   n_iters = pl.cdiv(np_, cfg.block_n)
   k_iters = kp // cfg.block_k
-  kb, kbp = k // SCALE_BLOCK, kp // SCALE_BLOCK
-  # Zero scales past the edges: the operands are zero (or clipped) there.
-  ms = m_iters * cfg.block_m
-  a_s = jnp.pad(a_scale.T, ((0, kbp - kb), (0, ms - m)))
-  a_s = a_s.reshape(kbp, ms // cfg.wg_m, cfg.wg_m)
-  if rows_b:
-    b_s = jnp.pad(b_scale.T, ((0, kbp - kb), (0, n_iters * cfg.block_n - n)))
-  else:
-    b_s = jnp.pad(b_scale, ((0, n_iters - b_scale.shape[0]), (0, kbp - kb)))
+  a_s, b_s = scale_layout(a_scale, b_scale, b_granularity, cfg, n_iters)
   f = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
                         m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
