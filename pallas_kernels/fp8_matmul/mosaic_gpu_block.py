@@ -31,7 +31,8 @@ row's) output columns NaN; a zero scale times an Inf partial sum is NaN.
 
 Needs Config(promote=True) with block_k == 128 * split_k (one scale per
 wgmma partial), cluster_m == 1, chain_tiles False, and block_n == 128 for
-'block' scales. Runs on Hopper GPUs with jax 0.11.2; imports anywhere.
+'block' scales (a multiple of 32 for 'row'). Runs on Hopper GPUs with jax
+0.11.2; imports anywhere.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def validate_config(cfg: Config, b_granularity: str):
   if b_granularity == 'block' and cfg.block_n != SCALE_BLOCK:
     raise ValueError(f'block_n={cfg.block_n}: \'block\' b scales need'
                      ' block_n == 128 (one scale per tile and K block).')
+  if b_granularity == 'row' and cfg.block_n % 32:
+    raise ValueError(f'block_n={cfg.block_n}: \'row\' b scales need a'
+                     ' multiple of 32 (Mosaic GPU copies whole 128 bytes of'
+                     ' float32 scales per warpgroup).')
 
 
 def select_config(m: int, n: int, num_ctas: int | None = None) -> Config:
