@@ -89,18 +89,16 @@ def _load(ref, layout):
     return plgpu.load(ref, None, layout=layout)
 
 
-def _promote_scaled(total, accs, scale, release=()):
-  """total + sum_j scale(j)(the j-th wgmma result), waiting for one wgmma
+def _promote_scaled(total, accs, add_scaled, release=()):
+  """add_scaled(total, j-th wgmma result, j) for each wgmma, waiting for one
   at a time; arrives on the `release` barriers once all wgmmas are done,
-  before the last add. scale(j) reads that partial's scales and returns the
-  function that applies them."""
+  before the last add."""
   for j, acc in enumerate(accs):
     part = plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - j)
-    apply = scale(j)
     if j == len(accs) - 1:
       for barrier in release:
         plgpu.barrier_arrive(barrier)
-    total = total + apply(part)
+    total = add_scaled(total, part, j)
   return total
 
 
@@ -131,7 +129,16 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
   gmem_scales = (as_gmem, bs_gmem) if rows_b else (as_gmem,)
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
   cols_layout = plgpu.Layout.WGMMA.reduce(0)
-  bcast = lambda v, dim: lax.broadcast_in_dim(v, (wg_m, cfg.block_n), (dim,))
+  # The FP32 sum is a tuple of (wg_m, chunk) column chunks, the epilogue's
+  # store chunks: 'row' scales are then loaded a chunk at a time, next to
+  # their adds, rather than all block_n of them held in registers at once
+  # beside the sum and the partial (jax 0.10 cannot concatenate fragments).
+  chunk = out_smem.shape[-1]
+  chunks = [slice(c, c + chunk) for c in range(0, cfg.block_n, chunk)]
+  bcast = lambda v, dim: lax.broadcast_in_dim(v, (wg_m, chunk), (dim,))
+  zeros = lambda: tuple(
+      plgpu.layout_cast(jnp.zeros((wg_m, chunk), jnp.float32),
+                        plgpu.Layout.WGMMA) for _ in chunks)
 
   @functools.partial(
       pl.run_scoped,
@@ -170,14 +177,17 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
           a_s = [_load(as_smem.at[j, wg], rows_layout)
                  for j in range(blocks)]
 
-          def scale(j):
+          def add_scaled(total, part, j):
             if rows_b:
-              cols = _load(smems[3].at[j], cols_layout)
-              return lambda part: part * bcast(cols, 1) * bcast(a_s[j], 0)
-            s = a_s[j] * b_s[j]
-            return lambda part: part * bcast(s, 0)
+              a_j = bcast(a_s[j], 0)
+              return tuple(
+                  t + part[:, cs] * bcast(_load(smems[3].at[j, cs],
+                                                cols_layout), 1) * a_j
+                  for t, cs in zip(total, chunks))
+            s = bcast(a_s[j] * b_s[j], 0)
+            return tuple(t + part[:, cs] * s for t, cs in zip(total, chunks))
 
-          total = _promote_scaled(carry, accs, scale, ab_release)
+          total = _promote_scaled(carry, accs, add_scaled, ab_release)
           for barrier in scale_release:
             plgpu.barrier_arrive(barrier)
           return total
@@ -188,10 +198,11 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
       def context(run_pipeline):
         if overlap:
           mosaic_gpu._line_up(tile_start)  # pylint: disable=protected-access
-        acc = run_pipeline(mosaic_gpu._zero_acc(cfg))  # pylint: disable=protected-access
-        mosaic_gpu._store_tile(  # pylint: disable=protected-access
-            acc, None, out_gmem.at[pl.ds(mi * cfg.block_m + wg * wg_m, wg_m),
-                                   n_sl], out_smem, wg)
+        total = run_pipeline(zeros())
+        out_tile = out_gmem.at[pl.ds(mi * cfg.block_m + wg * wg_m, wg_m),
+                               n_sl]
+        for t, cs in zip(total, chunks):
+          mosaic_gpu._store_tile(t, None, out_tile.at[:, cs], out_smem, wg)  # pylint: disable=protected-access
 
       as_tile = as_gmem.at[:, pl.ds(mi * cfg.compute_wgs, cfg.compute_wgs)]
       tile_scales = (as_tile, bs_gmem.at[:, n_sl]) if rows_b else (as_tile,)
