@@ -268,9 +268,11 @@ def test_row_scales_lower_with_a_wider_tile():
 @needs_hopper
 @pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize('granularity', GRANULARITIES)
-@pytest.mark.parametrize('a_dtype,b_dtype', PAIRS, ids=PAIR_IDS)
-@pytest.mark.parametrize('mnk', [(384, 256, 1024), (656, 400, 640),
-                                 (2688, 2304, 512)])
+@pytest.mark.parametrize('a_dtype,b_dtype,mnk', [
+    pytest.param(*pair, mnk, id=f'{pair_id}-{"x".join(map(str, mnk))}')
+    for mnk in [(384, 256, 1024), (656, 400, 640)]
+    for pair, pair_id in zip(PAIRS, PAIR_IDS)] + [
+        pytest.param(E5M2, E4M3, (2688, 2304, 512), id='e5m2_e4m3-many')])
 def test_exact_with_pow2_tile_and_block_scales(config, granularity, a_dtype,
                                                b_dtype, mnk):
   """Small integers in [-4, 4) with scales 2^-2 .. 2^2: every partial sum,
