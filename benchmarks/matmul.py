@@ -735,12 +735,18 @@ def run_block(args, log):
   kernel's (> 1: the block kernel is faster). 'layout' times the wrapper's
   scale transposes alone (XLA), part of the block kernel's time.
   """
+  t_start = time.perf_counter()
+  budget = args.budget_s or (200 if args.quick else None)
   global_warmup(2.0)
   rounds = args.rounds or (5 if args.quick else 15)
   specs = args.shapes.split(',') if args.shapes else None
   shapes = ([parse_shape(x) for x in specs] if specs else SHAPES + SHAPES_1B)
   rows = []
   for name, m, n, k, a_dtype in shapes:
+    if budget and time.perf_counter() - t_start > budget:
+      print(f'time budget of {budget} s spent: skipped {name} and the'
+            ' shapes after it (--budget-s)', flush=True)
+      break
     gran = block_granularity(name)
     a, b = operands(m, n, k, a_dtype)
     sa, sb = block_scales(m, n, k, gran)
@@ -831,6 +837,9 @@ def main():
   p.add_argument('--block', action='store_true',
                  help='block-scaled kernel vs per-tensor Pallas and cuBLASLt'
                  ' precise, paired (--shapes, --rounds, --quick apply)')
+  p.add_argument('--budget-s', type=float, default=0,
+                 help='with --block: start no new shape after this many'
+                 ' seconds (default: 200 with --quick, else none)')
   p.add_argument('--k-lines', action='store_true',
                  help='time against K at M = N = 8192 (--configs: Pallas)')
   p.add_argument('--paired-config', default='',
