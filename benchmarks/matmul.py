@@ -14,6 +14,7 @@
   python3 benchmarks/matmul.py --sweep --semantics warpgroup   # Mosaic's other
   python3 benchmarks/matmul.py --skip bf16 --triton-configs 0   # shorter
   python3 benchmarks/matmul.py --block [--quick]   # block-scaled, paired
+  python3 benchmarks/matmul.py --block --shapes 4,3,2048x2048x16384:row
 
 All operands are K-major: a (M, K), b (N, K); out (M, N) bfloat16 with the
 two per-tensor scales applied. Timing: >= 2 s of warm-up, then the median over
@@ -728,6 +729,18 @@ def block_ref_rows(a, b, sa, sb, granularity, rows):
   return jnp.dot(a_deq, b_deq.T, precision=jax.lax.Precision.HIGHEST)
 
 
+def parse_block_shape(spec):
+  """An index into SHAPES + SHAPES_1B, or MxNxK (E4M3 x E4M3, 'block' b
+  scales), or MxNxK:row (E5M2 x E4M3, 'row' b scales, as a wgrad)."""
+  if 'x' not in spec:
+    return (SHAPES + SHAPES_1B)[int(spec)]
+  dims, _, kind = spec.partition(':')
+  m, n, k = map(int, dims.split('x'))
+  if kind == 'row':
+    return (f'{dims} wgrad', m, n, k, E5M2)
+  return (dims, m, n, k, E4M3)
+
+
 def run_block(args, log):
   """Block-scaled Pallas kernel vs the per-tensor Pallas kernel and cuBLASLt
   precise, paired rounds (`time_mirrored`) per shape: the 13 Llama-2-7B
@@ -739,8 +752,8 @@ def run_block(args, log):
   budget = args.budget_s or (200 if args.quick else None)
   global_warmup(2.0)
   rounds = args.rounds or (5 if args.quick else 15)
-  specs = args.shapes.split(',') if args.shapes else None
-  shapes = ([parse_shape(x) for x in specs] if specs else SHAPES + SHAPES_1B)
+  shapes = [parse_block_shape(x) for x in args.shapes.split(',')
+            ] if args.shapes else SHAPES + SHAPES_1B
   rows = []
   for name, m, n, k, a_dtype in shapes:
     if budget and time.perf_counter() - t_start > budget:
@@ -853,7 +866,8 @@ def main():
   p.add_argument('--shapes', default='',
                  help='with --paired: indices into SHAPES (the whole-waves'
                  ' shape last) or MxNxK, e.g. 0,8448x8064x8192 (default:'
-                 ' all)')
+                 ' all); with --block: indices into SHAPES + SHAPES_1B, or'
+                 ' MxNxK, or MxNxK:row')
   p.add_argument('--semantics', choices=('lane', 'warpgroup'), default=None,
                  help='Mosaic GPU lowering semantics of the Pallas kernel')
   p.add_argument('--quick', action='store_true')
