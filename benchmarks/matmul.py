@@ -750,6 +750,9 @@ def run_block(args, log):
   """
   t_start = time.perf_counter()
   budget = args.budget_s or (200 if args.quick else None)
+  if args.block_b_as_rows:
+    mosaic_gpu_block.BLOCK_SCALES_AS_SCALARS[0] = False
+  log['block_scales_as_scalars'] = mosaic_gpu_block.BLOCK_SCALES_AS_SCALARS[0]
   global_warmup(2.0)
   rounds = args.rounds or (5 if args.quick else 15)
   shapes = [parse_block_shape(x) for x in args.shapes.split(',')
@@ -850,6 +853,9 @@ def main():
   p.add_argument('--block', action='store_true',
                  help='block-scaled kernel vs per-tensor Pallas and cuBLASLt'
                  ' precise, paired (--shapes, --rounds, --quick apply)')
+  p.add_argument('--block-b-as-rows', action='store_true',
+                 help='with --block: expand \'block\' b scales to rows in'
+                 ' the wrapper (pipelined) instead of GMEM scalars')
   p.add_argument('--budget-s', type=float, default=0,
                  help='with --block: start no new shape after this many'
                  ' seconds (default: 200 with --quick, else none)')

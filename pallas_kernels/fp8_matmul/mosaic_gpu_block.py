@@ -54,6 +54,10 @@ _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 _E5M2 = jnp.dtype(jnp.float8_e5m2)
 _DTYPE_PAIRS = ((_E4M3, _E4M3), (_E5M2, _E4M3), (_E4M3, _E5M2))
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# 'block' b scales: read as one GMEM scalar per (N tile, K block) (True), or
+# expanded to per-row scales in the wrapper and pipelined as 'row' ones
+# (False). A list so that a benchmark or test can switch it.
+BLOCK_SCALES_AS_SCALARS = [True]
 
 
 def validate_config(cfg: Config, b_granularity: str):
@@ -249,6 +253,9 @@ def fp8_matmul_block_scaled_mosaic(
   m, n, k = _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype)
   cfg = config or select_config(m, n)
   validate_config(cfg, b_granularity)
+  if b_granularity == 'block' and not BLOCK_SCALES_AS_SCALARS[0]:
+    b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=0)[:n]
+    b_granularity = 'row'
   return _call_kernel(a, b, a_scale, b_scale, b_granularity,
                       jnp.dtype(out_dtype), cfg, m, n, k)
 

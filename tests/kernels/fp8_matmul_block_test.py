@@ -291,6 +291,43 @@ def test_exact_with_pow2_tile_and_block_scales(config, granularity, a_dtype,
   np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, granularity))
 
 
+@pytest.fixture
+def block_scales_as_rows():
+  """'block' b scales expanded to rows in the wrapper, for one test."""
+  flag = mosaic_gpu_block.BLOCK_SCALES_AS_SCALARS
+  flag[0] = False
+  yield
+  flag[0] = True
+
+
+def test_block_scales_as_rows_lower_for_cuda(block_scales_as_rows):
+  del block_scales_as_rows
+  m, n, k = 384, 400, 512
+  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
+            jax.ShapeDtypeStruct((n, k), E4M3),
+            jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
+            jax.ShapeDtypeStruct((4, k // 128), jnp.float32))
+  f = jax.jit(lambda a, b, sa, sb: block_kernel(a, b, sa, sb, 'block'))
+  assert 'mosaic_gpu' in f.trace(*shapes).lower(
+      lowering_platforms=('cuda',)).as_text()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
+def test_block_scales_as_rows_exact(config, block_scales_as_rows):
+  """The benchmark's alternative for 'block' b scales (per-row copies,
+  pipelined) gives the same exact results."""
+  del block_scales_as_rows
+  m, n, k = 656, 400, 640
+  ka, kb, ks = jax.random.split(jax.random.key(6), 3)
+  a = small_ints(ka, (m, k), E5M2)
+  b = small_ints(kb, (n, k), E4M3)
+  sa, sb = pow2_scales(ks, m, n, k, 'block')
+  out = block_kernel(a, b, sa, sb, 'block', config)
+  np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, 'block'))
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
