@@ -182,10 +182,12 @@ def _num_sms() -> int:
     return 132
 
 
-def select_config(m: int, n: int, num_ctas: int | None = None) -> Config:
+def select_config(m: int, n: int, num_ctas: int | None = None,
+                  candidates=None) -> Config:
   """The candidate config of highest speed x wave efficiency for an (m, n)
   output, where wave efficiency is m * n over the tile area of all CTAs in
-  the whole waves that the tiles take (the last wave may be partly idle)."""
+  the whole waves that the tiles take (the last wave may be partly idle).
+  candidates: ((config, speed per tile), ...); default CANDIDATES."""
   num_ctas = num_ctas or _num_sms()
 
   def score(candidate):
@@ -193,7 +195,7 @@ def select_config(m: int, n: int, num_ctas: int | None = None) -> Config:
     tiles = pl.cdiv(m, cfg.block_m) * pl.cdiv(n, cfg.block_n)
     waves = pl.cdiv(tiles, num_ctas)
     return speed * m * n / (waves * num_ctas * cfg.block_m * cfg.block_n)
-  return max(CANDIDATES, key=score)[0]
+  return max(candidates or CANDIDATES, key=score)[0]
 
 
 def _transforms(dtype, minor_elems: int):

@@ -37,6 +37,7 @@ wgmma partial), cluster_m == 1, chain_tiles False, and block_n == 128 for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -79,10 +80,27 @@ def validate_config(cfg: Config, b_granularity: str):
                      ' float32 scales per warpgroup).')
 
 
-def select_config(m: int, n: int, num_ctas: int | None = None) -> Config:
-  """The per-tensor kernel's choice for an (m, n) output (both candidates
-  run block scales)."""
-  return mosaic_gpu.select_config(m, n, num_ctas)
+# 'row' b scales hold a column vector per K block beside the FP32 sum and
+# the wgmma partial: configs with room for it in registers (64 + 64
+# accumulator registers per thread of 232 with two warpgroups, 48 + 48 of
+# 160 with three), candidates for the benchmark (matmul.py --block
+# --block-configs) until measured.
+ROW_TWO_WG_CONFIG = Config(block_k=128, split_k=1, max_stages=4,
+                           overlap_tiles=True)
+ROW_THREE_WG_CONFIG = Config(block_m=192, block_n=96, block_k=128,
+                             split_k=1, max_stages=4, compute_wgs=3,
+                             pad_mn=False, early_release=True,
+                             overlap_tiles=True)
+# (config, speed per tile) per b_granularity, as mosaic_gpu.CANDIDATES.
+CANDIDATES = {'block': mosaic_gpu.CANDIDATES, 'row': mosaic_gpu.CANDIDATES}
+
+
+def select_config(m: int, n: int, num_ctas: int | None = None, *,
+                  b_granularity: str = 'block') -> Config:
+  """The config of highest speed x wave efficiency among
+  CANDIDATES[b_granularity] for an (m, n) output."""
+  return mosaic_gpu.select_config(m, n, num_ctas,
+                                  candidates=CANDIDATES[b_granularity])
 
 
 def _load(ref, layout):
@@ -107,28 +125,39 @@ def _promote_scaled(total, accs, add_scaled, release=()):
 
 
 def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
-            cfg: Config, b_granularity: str, m_iters: int, n_iters: int,
-            k_iters: int, stages: int):
+            cfg: Config, b_granularity: str, bs_k_first: bool, m_iters: int,
+            n_iters: int, k_iters: int, stages: int):
   """Kernel body. GMEM: a (Mp, Kp), b (Np, Kp) FP8; as (Kp / 128,
-  Mp' / wg_m, wg_m) f32 (a_scale transposed, Mp' = m_iters * block_m); bs
-  (n_iters, Kp / 128) f32 for 'block', (Kp / 128, n_iters * block_n) for
-  'row'; out (Mp, Np). out_smem: the epilogue's buffer."""
+  M' / wg_m, wg_m) f32 (a_scale transposed); bs (n_iters, Kp / 128) f32 for
+  'block' ((Kp / 128, n_iters) if bs_k_first), (Kp / 128, N') for 'row';
+  out (Mp, Np). out_smem: the epilogue's buffer. Scale rows past M' and
+  columns past N' are read by TMA as zeros or as other scales (their
+  outputs are clipped or sliced off)."""
   wg_m = cfg.wg_m
   blocks = cfg.split_k  # 128-K blocks (and wgmma partials) per step
   rows_b = b_granularity == 'row'
   overlap = mosaic_gpu.overlaps_tiles(cfg, k_iters, stages)
-  scale_specs = [plgpu.BlockSpec(
-      (blocks, cfg.compute_wgs, wg_m), lambda k: (k, 0, 0),
-      memory_space=plgpu.SMEM)]
-  if rows_b:
-    scale_specs.append(plgpu.BlockSpec(
-        (blocks, cfg.block_n), lambda k: (k, 0), memory_space=plgpu.SMEM))
-  num_inputs = 2 + len(scale_specs)
-  make_pipeline = lambda body, context, state=None: mosaic_gpu._pipeline(  # pylint: disable=protected-access
-      body, context, cfg=cfg, grid=(k_iters,), a_index=lambda k: (0, k),
-      b_index=lambda k: (0, k), a_dtype=a_gmem.dtype, b_dtype=b_gmem.dtype,
-      stages=stages, manual_release=cfg.early_release, state=state,
-      extra_specs=scale_specs)
+
+  def scale_specs(mi, ni):
+    """The scales' BlockSpecs for output tile (mi, ni), over the whole
+    arrays: a block that reaches past an array's end is then no provably
+    in-bounds block, and TMA fills the outside with zeros (a block of a
+    sliced ref would be copied whole, past the end)."""
+    specs = [plgpu.BlockSpec(
+        (blocks, cfg.compute_wgs, wg_m), lambda k: (k, mi, 0),
+        memory_space=plgpu.SMEM)]
+    if rows_b:
+      specs.append(plgpu.BlockSpec(
+          (blocks, cfg.block_n), lambda k: (k, ni), memory_space=plgpu.SMEM))
+    return specs
+  num_inputs = 3 + rows_b
+  make_pipeline = lambda body, context, state=None, mi=0, ni=0: (
+      mosaic_gpu._pipeline(  # pylint: disable=protected-access
+          body, context, cfg=cfg, grid=(k_iters,), a_index=lambda k: (0, k),
+          b_index=lambda k: (0, k), a_dtype=a_gmem.dtype,
+          b_dtype=b_gmem.dtype, stages=stages,
+          manual_release=cfg.early_release, state=state,
+          extra_specs=scale_specs(mi, ni)))
   ignore = lambda *_, **__: None
   gmem_scales = (as_gmem, bs_gmem) if rows_b else (as_gmem,)
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -176,7 +205,8 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
 
         def step(*accs):
           if not rows_b:  # GMEM scalars, issued before the wgmmas.
-            b_s = [bs_gmem[ni, k * blocks + j] for j in range(blocks)]
+            b_s = [bs_gmem[k * blocks + j, ni] if bs_k_first else
+                   bs_gmem[ni, k * blocks + j] for j in range(blocks)]
           mosaic_gpu._issue_wgmmas(accs, a_smem, b_smem, wg_sl)  # pylint: disable=protected-access
           a_s = [_load(as_smem.at[j, wg], rows_layout)
                  for j in range(blocks)]
@@ -208,12 +238,9 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
         for t, cs in zip(total, chunks):
           mosaic_gpu._store_tile(t, None, out_tile.at[:, cs], out_smem, wg)  # pylint: disable=protected-access
 
-      as_tile = as_gmem.at[:, pl.ds(mi * cfg.compute_wgs, cfg.compute_wgs)]
-      tile_scales = (as_tile, bs_gmem.at[:, n_sl]) if rows_b else (as_tile,)
-
       def run(state=None):
-        make_pipeline(body, context, state)(
-            a_gmem.at[m_sl, :], b_gmem.at[n_sl, :], *tile_scales,
+        make_pipeline(body, context, state, mi, ni)(
+            a_gmem.at[m_sl, :], b_gmem.at[n_sl, :], *gmem_scales,
             allocations=allocs)
 
       if overlap:  # As mosaic_gpu._kernel: START, then STEADY pipelines.
@@ -229,20 +256,29 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
 def fp8_matmul_block_scaled_mosaic(
     a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     b_granularity: str, out_dtype=jnp.bfloat16,
-    config: Config | None = None) -> jax.Array:
+    config: Config | None = None, a_scale_transposed: bool = False,
+    b_scale_transposed: bool = False) -> jax.Array:
   """Block-scaled (a @ b.T) on Hopper with Pallas Mosaic GPU.
 
   Args:
     a: (M, K) float8_e4m3fn or float8_e5m2, M a multiple of 16, K of 128.
     b: (N, K) float8 (K-major, like a), N a multiple of 16. E5M2 x E5M2 is
       rejected.
-    a_scale: (M, K // 128) float32, the scale of a[m, 128 kb : 128 (kb + 1)].
+    a_scale: (M, K // 128) float32, the scale of a[m, 128 kb : 128 (kb + 1)];
+      (K // 128, M) if a_scale_transposed.
     b_scale: float32, (cdiv(N, 128), K // 128) for b_granularity='block'
       (the scale of the 128x128 block b[128 nb :, 128 kb :]), or
-      (N, K // 128) for 'row' (the scale of b[n, 128 kb : 128 (kb + 1)]).
+      (N, K // 128) for 'row' (the scale of b[n, 128 kb : 128 (kb + 1)]);
+      (K // 128, cdiv(N, 128)) or (K // 128, N) if b_scale_transposed.
     b_granularity: 'block' or 'row' (static).
     out_dtype: bfloat16 or float32.
-    config: tiling; `select_config(M, N)` when None (see `validate_config`).
+    config: tiling; `select_config(M, N, b_granularity)` when None (see
+      `validate_config`).
+    a_scale_transposed, b_scale_transposed: the scales come K-block first,
+      the layout the kernel reads: no transpose runs per call (when M is a
+      multiple of 64 and K // 128 of the config's split_k, nothing at all
+      runs besides the kernel). A quantizer can write this layout directly;
+      the 'block' scales of W serve W^T (dgrad) transposed this way.
 
   Returns:
     (M, N) out_dtype: sum over kb of each 128-K partial sum (FP32, exact
@@ -250,17 +286,34 @@ def fp8_matmul_block_scaled_mosaic(
   """
   if plgpu is None:
     raise RuntimeError('jax.experimental.pallas.mosaic_gpu is unavailable.')
-  m, n, k = _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype)
-  cfg = config or select_config(m, n)
+  m, n, k = _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype,
+                        a_scale_transposed, b_scale_transposed)
+  cfg = config or select_config(m, n, b_granularity=b_granularity)
   validate_config(cfg, b_granularity)
   if b_granularity == 'block' and not BLOCK_SCALES_AS_SCALARS[0]:
-    b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=0)[:n]
+    if b_scale_transposed:
+      b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=1)[:, :n]
+    else:
+      b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=0)[:n]
     b_granularity = 'row'
   return _call_kernel(a, b, a_scale, b_scale, b_granularity,
-                      jnp.dtype(out_dtype), cfg, m, n, k)
+                      jnp.dtype(out_dtype), cfg, m, n, k,
+                      a_scale_transposed, b_scale_transposed)
 
 
-def _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype):
+def scale_shapes(m: int, n: int, k: int, b_granularity: str, *,
+                 a_scale_transposed: bool = False,
+                 b_scale_transposed: bool = False):
+  """(a_scale shape, b_scale shape) for an (M, K) x (N, K) product."""
+  kb = k // SCALE_BLOCK
+  nb = n if b_granularity == 'row' else pl.cdiv(n, SCALE_BLOCK)
+  a_shape = (kb, m) if a_scale_transposed else (m, kb)
+  b_shape = (kb, nb) if b_scale_transposed else (nb, kb)
+  return a_shape, b_shape
+
+
+def _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype,
+                a_scale_transposed=False, b_scale_transposed=False):
   """Validates the arguments; returns (M, N, K)."""
   if b_granularity not in GRANULARITIES:
     raise ValueError(f'b_granularity must be \'block\' or \'row\', got'
@@ -281,14 +334,17 @@ def _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype):
     raise ValueError(
         f'a {a.shape}, b {b.shape}: need K a multiple of 128 and M, N'
         ' multiples of 16 (pad the operands and their scales).')
-  kb = k // SCALE_BLOCK
-  nb = n if b_granularity == 'row' else pl.cdiv(n, SCALE_BLOCK)
-  for name, s, want in (('a_scale', a_scale, (m, kb)),
-                        ('b_scale', b_scale, (nb, kb))):
+  wants = scale_shapes(m, n, k, b_granularity,
+                       a_scale_transposed=a_scale_transposed,
+                       b_scale_transposed=b_scale_transposed)
+  for name, s, want, flag in (
+      ('a_scale', a_scale, wants[0], a_scale_transposed),
+      ('b_scale', b_scale, wants[1], b_scale_transposed)):
     if getattr(s, 'shape', None) != want:
       raise ValueError(
           f'{name} has shape {getattr(s, "shape", None)}; need {want} for a'
-          f' {a.shape}, b {b.shape} and b_granularity={b_granularity!r}.')
+          f' {a.shape}, b {b.shape}, b_granularity={b_granularity!r} and'
+          f' {name}_transposed={flag}.')
     if jnp.dtype(s.dtype) != jnp.float32:
       raise ValueError(f'{name} must be float32, got {s.dtype}.')
   if jnp.dtype(out_dtype) not in _OUT_DTYPES:
@@ -297,37 +353,68 @@ def _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype):
   return m, n, k
 
 
-def scale_layout(a_scale, b_scale, b_granularity: str, cfg: Config,
-                 n_iters: int | None = None):
-  """The scales as the kernel reads them (zero past the edges, where the
-  operands are zero or clipped), for a K padded to whole `cfg.block_k`:
+def _pad_to(x, shape):
+  """x zero-padded at the end of each dim to `shape` (x itself if equal)."""
+  if x.shape == tuple(shape):
+    return x
+  return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
 
-  a_s: (Kp / 128, m_tiles * compute_wgs, wg_m), a_s[kb, i, r] =
-    a_scale[i * wg_m + r, kb] (one TMA block per K step and M tile).
-  b_s: 'row': (Kp / 128, n_iters * block_n), b_s[kb, n] = b_scale[n, kb];
-    'block': (n_iters, Kp / 128), b_scale padded (read as GMEM scalars).
+
+def scale_layout(a_scale, b_scale, b_granularity: str, cfg: Config,
+                 n_iters: int | None = None, *,
+                 a_scale_transposed: bool = False,
+                 b_scale_transposed: bool = False):
+  """The scales as the kernel reads them, for a K padded to whole
+  `cfg.block_k`:
+
+  a_s: (Kp / 128, M' / wg_m, wg_m), a_s[kb, i, r] = a_scale[i * wg_m + r, kb]
+    (one TMA block of (split_k, compute_wgs, wg_m) per K step and M tile).
+    From (M, K / 128) scales, M' is M padded to whole tiles. From transposed
+    ones it is M when M is a multiple of wg_m (a reshape: free), else
+    padded; the last tile's block then reaches past M'.
+  b_s: 'row': (Kp / 128, N') with b_s[kb, n] = b_scale[n, kb], N' = whole
+    tiles (N itself from transposed scales). 'block': (n_iters, Kp / 128),
+    or (Kp / 128, n_iters) from transposed scales (read as GMEM scalars, so
+    never past their end).
+  Zeros pad K (the padded K of a and b is zero too: 0 * 0, no NaN).
   n_iters: N tiles (default: cdiv(N, block_n)).
   """
-  m, kb = a_scale.shape
-  kbp = mosaic_gpu._round_up(kb * SCALE_BLOCK, cfg.block_k) // SCALE_BLOCK  # pylint: disable=protected-access
-  ms = mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
-  a_s = jnp.pad(a_scale.T, ((0, kbp - kb), (0, ms - m)))
-  a_s = a_s.reshape(kbp, ms // cfg.wg_m, cfg.wg_m)
-  if b_granularity == 'row':
-    n = b_scale.shape[0]
-    n_iters = n_iters or pl.cdiv(n, cfg.block_n)
-    b_s = jnp.pad(b_scale.T, ((0, kbp - kb), (0, n_iters * cfg.block_n - n)))
+  if a_scale_transposed:
+    kb, m = a_scale.shape
   else:
-    nb = b_scale.shape[0]
+    m, kb = a_scale.shape
+  kbp = mosaic_gpu._round_up(kb * SCALE_BLOCK, cfg.block_k) // SCALE_BLOCK  # pylint: disable=protected-access
+  if a_scale_transposed:
+    mw = m if m % cfg.wg_m == 0 else mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
+    a_s = _pad_to(a_scale, (kbp, mw))
+  else:
+    mw = mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
+    a_s = _pad_to(a_scale.T, (kbp, mw))
+  a_s = a_s.reshape(kbp, mw // cfg.wg_m, cfg.wg_m)
+  if b_granularity == 'row':
+    if b_scale_transposed:
+      b_s = _pad_to(b_scale, (kbp, b_scale.shape[1]))
+    else:
+      n = b_scale.shape[0]
+      n_iters = n_iters or pl.cdiv(n, cfg.block_n)
+      b_s = _pad_to(b_scale.T, (kbp, n_iters * cfg.block_n))
+  else:
+    nb = b_scale.shape[1 if b_scale_transposed else 0]
     n_iters = n_iters or nb
-    b_s = jnp.pad(b_scale, ((0, n_iters - nb), (0, kbp - kb)))
+    b_s = (_pad_to(b_scale, (kbp, n_iters)) if b_scale_transposed else
+           _pad_to(b_scale, (n_iters, kbp)))
   return a_s, b_s
 
 
 def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
-                 k):
+                 k, a_scale_transposed=False, b_scale_transposed=False):
   """Pads to whole tiles, lays the scales out for TMA, runs the kernel."""
   rows_b = b_granularity == 'row'
+  if m < cfg.block_m or n < cfg.block_n:
+    # Operands smaller than one tile are padded to it: unpadded, a 16 x 16
+    # output with THREE_WG_CONFIG came back all zeros on the H200 (the only
+    # shape whose output and B were narrower than one TMA tile of each).
+    cfg = dataclasses.replace(cfg, pad_mn=True)
   blocks = cfg.split_k
   # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32.
   scale_bytes = blocks * 4 * (cfg.block_m + (cfg.block_n if rows_b else 0))
@@ -349,9 +436,12 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
   m_iters = pl.cdiv(mp, cfg.block_m)
   n_iters = pl.cdiv(np_, cfg.block_n)
   k_iters = kp // cfg.block_k
-  a_s, b_s = scale_layout(a_scale, b_scale, b_granularity, cfg, n_iters)
+  a_s, b_s = scale_layout(a_scale, b_scale, b_granularity, cfg, n_iters,
+                          a_scale_transposed=a_scale_transposed,
+                          b_scale_transposed=b_scale_transposed)
   f = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
+                        bs_k_first=b_scale_transposed and not rows_b,
                         m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
                         stages=stages),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),

@@ -12,6 +12,8 @@ boundary and tiny shapes, zero tiles, NaN/Inf confined to their rows or
 columns, and Llama shapes (sampled rows).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +133,27 @@ def test_validation(kwargs, match):
     mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(**args)
 
 
+@pytest.mark.parametrize('granularity,a_t,b_t,match', [
+    ('block', True, False,
+     r'a_scale has shape \(64, 2\); need \(2, 64\).*a_scale_transposed=True'),
+    ('row', False, True, r'b_scale has shape \(256, 2\); need \(2, 256\)'),
+])
+def test_validation_of_transposed_scales(granularity, a_t, b_t, match):
+  """Scales in (M, K / 128) layout passed as transposed ones."""
+  args = _args(granularity=granularity, a_scale_transposed=a_t,
+               b_scale_transposed=b_t)
+  with pytest.raises(ValueError, match=match):
+    mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(**args)
+
+
+def test_validation_of_transposed_block_scales():
+  """'block' b scales transposed: (K / 128, cdiv(N, 128))."""
+  args = _args(n=400, b_scale=jnp.ones((4, 2), jnp.float32),
+               b_scale_transposed=True)
+  with pytest.raises(ValueError, match=r'need \(2, 4\)'):
+    mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(**args)
+
+
 def test_validation_of_odd_n_block_scales():
   """N not a multiple of 128: 'block' b scales cover the last, partial
   block (cdiv(N, 128) rows)."""
@@ -166,16 +189,23 @@ def test_candidate_configs_are_valid():
       mosaic_gpu_block.validate_config(config, granularity)
 
 
-def emulate_kernel(a, b, a_s, b_s, granularity, cfg):
+def emulate_kernel(a, b, a_s, b_s, granularity, cfg, bs_k_first=False):
   """float64 result computed the way the kernel indexes its operands: per
   (M tile, N tile, warpgroup, K step, partial j) with the laid-out scales
-  (`scale_layout`), over A and B zero-padded to whole tiles."""
+  (`scale_layout`), over A and B zero-padded to whole tiles. Scale blocks
+  reaching past an array's end read zeros there (TMA's fill); 'block' b
+  scales are (K blocks, N tiles) if bs_k_first."""
   a, b, a_s, b_s = f64(a), f64(b), np.asarray(a_s), np.asarray(b_s)
   (m, k), n = a.shape, b.shape[0]
   mt, nt = -(-m // cfg.block_m), -(-n // cfg.block_n)
   kp = -(-k // cfg.block_k) * cfg.block_k
   a = np.pad(a, ((0, mt * cfg.block_m - m), (0, kp - k)))
   b = np.pad(b, ((0, nt * cfg.block_n - n), (0, kp - k)))
+  pad_to = lambda x, shape: np.pad(
+      x, [(0, max(0, t - d)) for d, t in zip(x.shape, shape)])
+  a_s = pad_to(a_s, (kp // 128, mt * cfg.compute_wgs, cfg.wg_m))
+  if granularity == 'row':
+    b_s = pad_to(b_s, (kp // 128, nt * cfg.block_n))
   out = np.zeros((mt * cfg.block_m, nt * cfg.block_n))
   for mi in range(mt):
     for ni in range(nt):
@@ -194,7 +224,8 @@ def emulate_kernel(a, b, a_s, b_s, granularity, cfg):
               s_cols = b_s[kb, cols]
               out[rows, cols] += part * s_rows[:, None] * s_cols[None, :]
             else:
-              out[rows, cols] += part * s_rows[:, None] * b_s[ni, kb]
+              s_block = b_s[kb, ni] if bs_k_first else b_s[ni, kb]
+              out[rows, cols] += part * s_rows[:, None] * s_block
   return out[:m, :n]
 
 
@@ -216,6 +247,60 @@ def test_scale_layout_matches_the_kernels_indexing(config, granularity,
   np.testing.assert_array_equal(
       emulate_kernel(a, b, a_s, b_s, granularity, config),
       ref_f64(a, b, sa, sb, granularity))
+
+
+# (M, N, K): M a multiple of 64 but of no tile (the last tile's a_s block
+# reaches past the array), K / 128 odd (DEFAULT_CONFIG pads it); M not a
+# multiple of 64 (padded); tiny.
+TRANSPOSED_SHAPES = [(640, 400, 384), (208, 400, 640), (16, 16, 128)]
+
+
+@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize('granularity', GRANULARITIES)
+@pytest.mark.parametrize('mnk', TRANSPOSED_SHAPES)
+@pytest.mark.parametrize('a_t,b_t', [(True, True), (True, False),
+                                     (False, True)])
+def test_transposed_scale_layout_matches_the_kernels_indexing(
+    config, granularity, mnk, a_t, b_t):
+  """Scales given K-block first are read as given (a reshape), zero-padded
+  only where the shape needs it."""
+  m, n, k = mnk
+  ka, kb, ks = jax.random.split(jax.random.key(m + n + k + 1), 3)
+  a = small_ints(ka, (m, k), E4M3)
+  b = small_ints(kb, (n, k), E4M3)
+  sa, sb = pow2_scales(ks, m, n, k, granularity)
+  a_s, b_s = mosaic_gpu_block.scale_layout(
+      sa.T if a_t else sa, sb.T if b_t else sb, granularity, config,
+      a_scale_transposed=a_t, b_scale_transposed=b_t)
+  if a_t and m % config.wg_m == 0:  # no copy: a view of the input
+    np.testing.assert_array_equal(
+        a_s.reshape(a_s.shape[0], -1)[:k // 128], sa.T)
+  np.testing.assert_array_equal(
+      emulate_kernel(a, b, a_s, b_s, granularity, config,
+                     bs_k_first=b_t and granularity == 'block'),
+      ref_f64(a, b, sa, sb, granularity))
+
+
+def test_transposed_scales_run_no_layout_ops():
+  """K-block-first scales of whole 64-row, split_k-K-block shapes reach
+  the kernel with no transpose, pad or copy before it."""
+  m, n, k = 640, 384, 512
+  for config in CONFIGS:
+    for granularity in GRANULARITIES:
+      sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(
+          m, n, k, granularity, a_scale_transposed=True,
+          b_scale_transposed=True)
+      f = lambda a, b, sa, sb, config=config, granularity=granularity: (
+          mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+              a, b, sa, sb, b_granularity=granularity,
+              config=dataclasses.replace(config, pad_mn=False),
+              a_scale_transposed=True, b_scale_transposed=True))
+      jaxpr = jax.make_jaxpr(f)(
+          jnp.zeros((m, k), E4M3), jnp.zeros((n, k), E4M3),
+          jnp.ones(sa_shape, jnp.float32), jnp.ones(sb_shape, jnp.float32))
+      prims = {e.primitive.name for e in jaxpr.jaxpr.eqns}
+      assert not prims & {'transpose', 'pad', 'concatenate', 'copy',
+                          'gather'}, (config, granularity, prims)
 
 
 LOWERING_CASES = [
@@ -244,6 +329,35 @@ def test_lowers_for_cuda(config, granularity, mnk, out_dtype):
   assert 'mosaic_gpu' in lowered.as_text()
   assert lowered.out_info.shape == (m, n)
   assert lowered.out_info.dtype == out_dtype
+
+
+ALL_CONFIGS = CONFIGS + [mosaic_gpu_block.ROW_TWO_WG_CONFIG,
+                         mosaic_gpu_block.ROW_THREE_WG_CONFIG]
+ALL_CONFIG_IDS = CONFIG_IDS + ['row_two_wg', 'row_three_wg']
+# (config, b granularity) pairs the kernel runs ('block' needs block_n 128).
+RUNNABLE = [pytest.param(c, g, id=f'{i}-{g}')
+            for c, i in zip(ALL_CONFIGS, ALL_CONFIG_IDS)
+            for g in GRANULARITIES if g == 'row' or c.block_n == 128]
+
+
+@pytest.mark.parametrize('config,granularity', RUNNABLE)
+def test_transposed_scales_lower_for_cuda(config, granularity):
+  """K-block-first scales, with a partial M tile and, for DEFAULT_CONFIG,
+  an odd number of K blocks; the 'row' candidates."""
+  m, n, k = 640, 400, 384
+  sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(
+      m, n, k, granularity, a_scale_transposed=True, b_scale_transposed=True)
+  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
+            jax.ShapeDtypeStruct((n, k), E4M3),
+            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
+            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
+  f = jax.jit(lambda a, b, sa, sb: (
+      mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+          a, b, sa, sb, b_granularity=granularity, config=config,
+          a_scale_transposed=True, b_scale_transposed=True)))
+  lowered = f.trace(*shapes).lower(lowering_platforms=('cuda',))
+  assert 'mosaic_gpu' in lowered.as_text()
+  assert lowered.out_info.shape == (m, n)
 
 
 def test_row_scales_lower_with_a_wider_tile():
@@ -342,6 +456,24 @@ def test_bf16_output_is_the_rounded_f32_result(config, granularity):
   assert out.dtype == jnp.bfloat16
   want = jnp.asarray(ref_f64(a, b, sa, sb, granularity).astype(np.float32))
   np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('config,granularity', RUNNABLE)
+@pytest.mark.parametrize('mnk', TRANSPOSED_SHAPES + [(1040, 528, 2048)])
+def test_transposed_scales_exact(config, granularity, mnk):
+  """Scales given K-block first: exact over partial tiles (whose scale
+  blocks reach past the arrays' ends), in every runnable config."""
+  m, n, k = mnk
+  ka, kb, ks = jax.random.split(jax.random.key(m + n + k + 2), 3)
+  a = small_ints(ka, (m, k), E5M2)
+  b = small_ints(kb, (n, k), E4M3)
+  sa, sb = pow2_scales(ks, m, n, k, granularity)
+  out = mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+      a, b, sa.T, sb.T, b_granularity=granularity, out_dtype=jnp.float32,
+      config=config, a_scale_transposed=True, b_scale_transposed=True)
+  np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, granularity))
 
 
 @pytest.mark.gpu
