@@ -729,6 +729,18 @@ def block_ref_rows(a, b, sa, sb, granularity, rows):
   return jnp.dot(a_deq, b_deq.T, precision=jax.lax.Precision.HIGHEST)
 
 
+def block_alternatives(granularity):
+  """(label, config) the block kernel can run for this granularity, timed
+  beside select_config's choice with --block-configs."""
+  both = [('192x128 3wg', mosaic_gpu.THREE_WG_CONFIG),
+          ('128x128 2wg', mosaic_gpu.DEFAULT_CONFIG)]
+  if granularity == 'block':
+    return both
+  return both + [
+      ('128x128 2wg k128', mosaic_gpu_block.ROW_TWO_WG_CONFIG),
+      ('192x96 3wg', mosaic_gpu_block.ROW_THREE_WG_CONFIG)]
+
+
 def parse_block_shape(spec):
   """An index into SHAPES + SHAPES_1B, or MxNxK (E4M3 x E4M3, 'block' b
   scales), or MxNxK:row (E5M2 x E4M3, 'row' b scales, as a wgrad)."""
@@ -745,8 +757,10 @@ def run_block(args, log):
   """Block-scaled Pallas kernel vs the per-tensor Pallas kernel and cuBLASLt
   precise, paired rounds (`time_mirrored`) per shape: the 13 Llama-2-7B
   shapes and the 1b model's. Ratios are speeds relative to the block
-  kernel's (> 1: the block kernel is faster). 'layout' times the wrapper's
-  scale transposes alone (XLA), part of the block kernel's time.
+  kernel's (> 1: the block kernel is faster). The block kernel gets its
+  scales K-block first (no layout op per call); 'in-call layout' is what
+  passing (M, K / 128) scales instead adds (the wrapper's transposes).
+  --block-configs also times the other configs it can run.
   """
   t_start = time.perf_counter()
   budget = args.budget_s or (200 if args.quick else None)
@@ -767,24 +781,34 @@ def run_block(args, log):
     a, b = operands(m, n, k, a_dtype)
     sa, sb = block_scales(m, n, k, gran)
     s = jnp.float32(0.75)
-    cfg = mosaic_gpu_block.select_config(m, n)
+    cfg = mosaic_gpu_block.select_config(m, n, b_granularity=gran)
     row = dict(name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
                granularity=gran, config=_tile(cfg))
     try:
-      block = jax.jit(lambda a, b, s, sa, sb: (
-          mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
-              a, b, sa, sb, b_granularity=gran)))
+      # Timed as a train step calls it: scales K-block first, as the
+      # quantizers write them; 'untransposed' passes (M, K / 128) scales,
+      # which the wrapper transposes per call.
+      def block_fn(config=None, transposed=True):
+        return jax.jit(lambda a, b, s, sa, sb: (
+            mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+                a, b, sa.T if not transposed else sa,
+                sb.T if not transposed else sb, b_granularity=gran,
+                config=config, a_scale_transposed=transposed,
+                b_scale_transposed=transposed)))
+      block = block_fn()
+      alts = [(label, c) for label, c in block_alternatives(gran)
+              if args.block_configs and c != cfg]
       fns = [
           block,
           jax.jit(lambda a, b, s, sa, sb: pallas(a, b, s)),
           jax.jit(lambda a, b, s, sa, sb: xla_precise(a, b, s)),
-          jax.jit(lambda a, b, s, sa, sb: mosaic_gpu_block.scale_layout(
-              sa, sb, gran, cfg)),
-      ]
+          block_fn(transposed=False),
+      ] + [block_fn(c) for _, c in alts]
+      sa, sb = jax.block_until_ready((sa.T, sb.T))  # K-block first
       operands_ = (a, b, s, sa, sb)
       sample = np.unique(np.linspace(0, m - 1, 64).astype(np.int32))
       out = block(*operands_)
-      ref = block_ref_rows(a, b, sa, sb, gran, sample)
+      ref = block_ref_rows(a, b, sa.T, sb.T, gran, sample)
       row['err'] = float(rel_diff(out[sample], ref))  # BF16 out: ~2e-3
       times = time_mirrored(fns, operands_, rounds)
       med = [statistics.median(t) for t in times]
@@ -792,10 +816,16 @@ def run_block(args, log):
       per_round = lambda j: [x / y for x, y in zip(times[j], times[0])]
       row.update(
           block=flops / med[0] / 1e12, pallas=flops / med[1] / 1e12,
-          precise=flops / med[2] / 1e12, layout_us=med[3] * 1e6,
+          precise=flops / med[2] / 1e12,
+          layout_us=(med[3] - med[0]) * 1e6,
           vs_pallas=statistics.median(per_round(1)),
           vs_pallas_lo=min(per_round(1)), vs_pallas_hi=max(per_round(1)),
           vs_precise=statistics.median(per_round(2)))
+      # Each alternative config's speed relative to the per-tensor kernel.
+      row['alts'] = {
+          label: statistics.median(
+              [p / x for p, x in zip(times[1], times[4 + i])])
+          for i, (label, _) in enumerate(alts)}
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc()
       row['error'] = f'{type(e).__name__}: {str(e)[:300]}'
@@ -805,7 +835,7 @@ def run_block(args, log):
   log['block'] = rows
   print('\n| GEMM | M | N | K | A | b scales | tile | block TFLOP/s |'
         ' per-tensor Pallas | cuBLASLt precise | block / per-tensor'
-        ' (median, min..max) | block / precise | scale layout (us) |'
+        ' (median, min..max) | block / precise | in-call layout (us) |'
         ' err |')
   print('|---' * 14 + '|')
   for r in rows:
@@ -819,6 +849,9 @@ def run_block(args, log):
           f' {r["vs_pallas"]:.3f} ({r["vs_pallas_lo"]:.3f}..'
           f'{r["vs_pallas_hi"]:.3f}) | {r["vs_precise"]:.3f} |'
           f' {r["layout_us"]:.1f} | {r["err"]:.1e} |')
+    for label, ratio in r.get('alts', {}).items():
+      print(f'|   {r["name"]} with {label} | | | | | | {label} | | | |'
+            f' {ratio:.3f} | | | |')
   groups = (('Llama-2-7B', {x[0] for x in SHAPES}),
             ('1b', {x[0] for x in SHAPES_1B}), ('all', None))
   for label, names in groups:
@@ -853,6 +886,9 @@ def main():
   p.add_argument('--block', action='store_true',
                  help='block-scaled kernel vs per-tensor Pallas and cuBLASLt'
                  ' precise, paired (--shapes, --rounds, --quick apply)')
+  p.add_argument('--block-configs', action='store_true',
+                 help='with --block: also time the other configs the block'
+                 ' kernel can run (ratios to the per-tensor kernel)')
   p.add_argument('--block-b-as-rows', action='store_true',
                  help='with --block: expand \'block\' b scales to rows in'
                  ' the wrapper (pipelined) instead of GMEM scalars')
