@@ -730,15 +730,17 @@ def block_ref_rows(a, b, sa, sb, granularity, rows):
 
 
 def block_alternatives(granularity):
-  """(label, config) the block kernel can run for this granularity, timed
-  beside select_config's choice with --block-configs."""
-  both = [('192x128 3wg', mosaic_gpu.THREE_WG_CONFIG),
-          ('128x128 2wg', mosaic_gpu.DEFAULT_CONFIG)]
+  """(label, config, row chunk columns) the block kernel can run for this
+  granularity, timed beside select_config's choice with --block-configs."""
+  both = [('192x128 3wg', mosaic_gpu.THREE_WG_CONFIG, None),
+          ('128x128 2wg', mosaic_gpu.DEFAULT_CONFIG, None)]
   if granularity == 'block':
     return both
   return both + [
-      ('128x128 2wg k128', mosaic_gpu_block.ROW_TWO_WG_CONFIG),
-      ('192x96 3wg', mosaic_gpu_block.ROW_THREE_WG_CONFIG)]
+      ('128x128 2wg k128', mosaic_gpu_block.ROW_TWO_WG_CONFIG, None),
+      ('192x96 3wg', mosaic_gpu_block.ROW_THREE_WG_CONFIG, None),
+      ('192x128 3wg chunk32', mosaic_gpu.THREE_WG_CONFIG, 32),
+      ('128x128 2wg chunk32', mosaic_gpu.DEFAULT_CONFIG, 32)]
 
 
 def parse_block_shape(spec):
@@ -788,22 +790,26 @@ def run_block(args, log):
       # Timed as a train step calls it: scales K-block first, as the
       # quantizers write them; 'untransposed' passes (M, K / 128) scales,
       # which the wrapper transposes per call.
-      def block_fn(config=None, transposed=True):
-        return jax.jit(lambda a, b, s, sa, sb: (
-            mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+      def block_fn(config=None, transposed=True, chunk=None):
+        def f(a, b, s, sa, sb):
+          del s
+          with mosaic_gpu_block.row_chunk_cols(chunk):  # at trace time
+            return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
                 a, b, sa.T if not transposed else sa,
                 sb.T if not transposed else sb, b_granularity=gran,
                 config=config, a_scale_transposed=transposed,
-                b_scale_transposed=transposed)))
+                b_scale_transposed=transposed)
+        return jax.jit(f)
       block = block_fn()
-      alts = [(label, c) for label, c in block_alternatives(gran)
-              if args.block_configs and c != cfg]
+      alts = [(label, c, chunk)
+              for label, c, chunk in block_alternatives(gran)
+              if args.block_configs and (c, chunk) != (cfg, None)]
       fns = [
           block,
           jax.jit(lambda a, b, s, sa, sb: pallas(a, b, s)),
           jax.jit(lambda a, b, s, sa, sb: xla_precise(a, b, s)),
           block_fn(transposed=False),
-      ] + [block_fn(c) for _, c in alts]
+      ] + [block_fn(c, chunk=chunk) for _, c, chunk in alts]
       sa, sb = jax.block_until_ready((sa.T, sb.T))  # K-block first
       operands_ = (a, b, s, sa, sb)
       sample = np.unique(np.linspace(0, m - 1, 64).astype(np.int32))
@@ -825,7 +831,7 @@ def run_block(args, log):
       row['alts'] = {
           label: statistics.median(
               [p / x for p, x in zip(times[1], times[4 + i])])
-          for i, (label, _) in enumerate(alts)}
+          for i, (label, _, _) in enumerate(alts)}
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc()
       row['error'] = f'{type(e).__name__}: {str(e)[:300]}'

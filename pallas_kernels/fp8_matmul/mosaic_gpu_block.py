@@ -37,6 +37,7 @@ wgmma partial), cluster_m == 1, chain_tiles False, and block_n == 128 for
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -59,6 +60,22 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # expanded to per-row scales in the wrapper and pipelined as 'row' ones
 # (False). A list so that a benchmark or test can switch it.
 BLOCK_SCALES_AS_SCALARS = [True]
+# 'row' b scales: columns per chunk of the FP32 sum (and per epilogue
+# store), whose column scales are loaded at once (None: the epilogue's
+# widest chunk). Narrower chunks hold fewer scale registers beside the sum
+# and the partial; a list so that a benchmark can switch it.
+ROW_CHUNK_COLS = [None]
+
+
+@contextlib.contextmanager
+def row_chunk_cols(cols: int | None):
+  """Sets ROW_CHUNK_COLS[0] to `cols` for the kernels traced inside."""
+  saved = ROW_CHUNK_COLS[0]
+  ROW_CHUNK_COLS[0] = cols
+  try:
+    yield
+  finally:
+    ROW_CHUNK_COLS[0] = saved
 
 
 def validate_config(cfg: Config, b_granularity: str):
@@ -415,11 +432,18 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
     # output with THREE_WG_CONFIG came back all zeros on the H200 (the only
     # shape whose output and B were narrower than one TMA tile of each).
     cfg = dataclasses.replace(cfg, pad_mn=True)
+  chunk = ROW_CHUNK_COLS[0] if rows_b else None
+  if chunk and (cfg.block_n % chunk or chunk % 8
+                or (chunk * out_dtype.itemsize) % 32):
+    raise ValueError(f'ROW_CHUNK_COLS={chunk}: need a multiple of 8 that'
+                     f' divides block_n={cfg.block_n} and spans a multiple'
+                     ' of 32 bytes of output.')
   blocks = cfg.split_k
   # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32.
   scale_bytes = blocks * 4 * (cfg.block_m + (cfg.block_n if rows_b else 0))
   stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
-      cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes)
+      cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes,
+      out_cols=chunk)
   out_smem = plgpu.SMEM((cfg.compute_wgs, cfg.wg_m, epi_n), out_dtype,
                         transforms=mosaic_gpu._transforms(out_dtype, epi_n))  # pylint: disable=protected-access
   if cfg.pad_mn:

@@ -360,6 +360,32 @@ def test_transposed_scales_lower_for_cuda(config, granularity):
   assert lowered.out_info.shape == (m, n)
 
 
+@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize('out_dtype', [jnp.bfloat16, jnp.float32])
+def test_row_scales_lower_in_narrower_chunks(config, out_dtype):
+  """ROW_CHUNK_COLS: 32-column chunks of the FP32 sum and its stores."""
+  m, n, k = 640, 400, 512
+  sa_shape, sb_shape = scale_shapes(m, n, k, 'row')
+  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
+            jax.ShapeDtypeStruct((n, k), E4M3),
+            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
+            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
+
+  def f(a, b, sa, sb):
+    with mosaic_gpu_block.row_chunk_cols(32):
+      return block_kernel(a, b, sa, sb, 'row', config, out_dtype)
+  lowered = jax.jit(f).trace(*shapes).lower(lowering_platforms=('cuda',))
+  assert 'mosaic_gpu' in lowered.as_text()
+  assert mosaic_gpu_block.ROW_CHUNK_COLS[0] is None
+
+
+def test_row_chunk_cols_errors():
+  with mosaic_gpu_block.row_chunk_cols(48):
+    with pytest.raises(ValueError, match='ROW_CHUNK_COLS=48'):
+      mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+          **_args(granularity='row'))
+
+
 def test_row_scales_lower_with_a_wider_tile():
   """'row' b scales take other block_n (here 160 columns: a 640-byte TMA
   row per K block)."""
@@ -474,6 +500,21 @@ def test_transposed_scales_exact(config, granularity, mnk):
       a, b, sa.T, sb.T, b_granularity=granularity, out_dtype=jnp.float32,
       config=config, a_scale_transposed=True, b_scale_transposed=True)
   np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, granularity))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
+def test_row_scales_in_narrower_chunks_exact(config):
+  m, n, k = 1040, 528, 1024
+  ka, kb, ks = jax.random.split(jax.random.key(9), 3)
+  a = small_ints(ka, (m, k), E5M2)
+  b = small_ints(kb, (n, k), E4M3)
+  sa, sb = pow2_scales(ks, m, n, k, 'row')
+  with mosaic_gpu_block.row_chunk_cols(32):
+    out = block_kernel(a, b, sa, sb, 'row', config, jnp.bfloat16)
+  want = ref_f64(a, b, sa, sb, 'row').astype(np.float32)
+  np.testing.assert_array_equal(out, jnp.asarray(want).astype(jnp.bfloat16))
 
 
 @pytest.mark.gpu
