@@ -949,6 +949,7 @@ def main():
        'main': run_main}[mode](args, log)
   finally:
     tag = f'_{args.semantics}' if args.semantics else ''
+    tag += '_configs' if args.block_configs else ''
     with open(os.path.join(args.out, f'matmul_{mode}{tag}.json'), 'w') as fh:
       json.dump(log, fh, indent=1, default=str)
 
