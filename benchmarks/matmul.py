@@ -730,17 +730,23 @@ def block_ref_rows(a, b, sa, sb, granularity, rows):
 
 
 def block_alternatives(granularity):
-  """(label, config, row chunk columns) the block kernel can run for this
-  granularity, timed beside select_config's choice with --block-configs."""
-  both = [('192x128 3wg', mosaic_gpu.THREE_WG_CONFIG, None),
-          ('128x128 2wg', mosaic_gpu.DEFAULT_CONFIG, None)]
+  """(label, config, settings) the block kernel can run for this
+  granularity, timed beside select_config's choice with --block-configs;
+  settings: `chunk` (ROW_CHUNK_COLS), `gmem` (A_SCALES_FROM_GMEM)."""
+  three, default = mosaic_gpu.THREE_WG_CONFIG, mosaic_gpu.DEFAULT_CONFIG
+  gmem = dict(gmem=True)
+  out = [('192x128 3wg', three, {}), ('128x128 2wg', default, {}),
+         ('192x128 3wg a-gmem', three, gmem),
+         ('128x128 2wg a-gmem', default, gmem)]
   if granularity == 'block':
-    return both
-  return both + [
-      ('128x128 2wg k128', mosaic_gpu_block.ROW_TWO_WG_CONFIG, None),
-      ('192x96 3wg', mosaic_gpu_block.ROW_THREE_WG_CONFIG, None),
-      ('192x128 3wg chunk32', mosaic_gpu.THREE_WG_CONFIG, 32),
-      ('128x128 2wg chunk32', mosaic_gpu.DEFAULT_CONFIG, 32)]
+    return out
+  row_two, row_three = (mosaic_gpu_block.ROW_TWO_WG_CONFIG,
+                        mosaic_gpu_block.ROW_THREE_WG_CONFIG)
+  return out[:3] + [
+      ('128x128 2wg k128', row_two, {}),
+      ('128x128 2wg k128 a-gmem', row_two, gmem),
+      ('192x96 3wg', row_three, {}),
+      ('192x128 3wg chunk32', three, dict(chunk=32))]
 
 
 def parse_block_shape(spec):
@@ -790,10 +796,11 @@ def run_block(args, log):
       # Timed as a train step calls it: scales K-block first, as the
       # quantizers write them; 'untransposed' passes (M, K / 128) scales,
       # which the wrapper transposes per call.
-      def block_fn(config=None, transposed=True, chunk=None):
+      def block_fn(config=None, transposed=True, chunk=None, gmem=False):
         def f(a, b, s, sa, sb):
           del s
-          with mosaic_gpu_block.row_chunk_cols(chunk):  # at trace time
+          with mosaic_gpu_block.row_chunk_cols(chunk), \
+               mosaic_gpu_block.a_scales_from_gmem(gmem):  # at trace time
             return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
                 a, b, sa.T if not transposed else sa,
                 sb.T if not transposed else sb, b_granularity=gran,
@@ -801,15 +808,15 @@ def run_block(args, log):
                 b_scale_transposed=transposed)
         return jax.jit(f)
       block = block_fn()
-      alts = [(label, c, chunk)
-              for label, c, chunk in block_alternatives(gran)
-              if args.block_configs and (c, chunk) != (cfg, None)]
+      alts = [(label, c, settings)
+              for label, c, settings in block_alternatives(gran)
+              if args.block_configs and (c, settings) != (cfg, {})]
       fns = [
           block,
           jax.jit(lambda a, b, s, sa, sb: pallas(a, b, s)),
           jax.jit(lambda a, b, s, sa, sb: xla_precise(a, b, s)),
           block_fn(transposed=False),
-      ] + [block_fn(c, chunk=chunk) for _, c, chunk in alts]
+      ] + [block_fn(c, **settings) for _, c, settings in alts]
       sa, sb = jax.block_until_ready((sa.T, sb.T))  # K-block first
       operands_ = (a, b, s, sa, sb)
       sample = np.unique(np.linspace(0, m - 1, 64).astype(np.int32))

@@ -65,17 +65,32 @@ BLOCK_SCALES_AS_SCALARS = [True]
 # widest chunk). Narrower chunks hold fewer scale registers beside the sum
 # and the partial; a list so that a benchmark can switch it.
 ROW_CHUNK_COLS = [None]
+# a scales: pipelined by TMA through SMEM beside A and B (False), or loaded
+# by each warpgroup from GMEM at the start of its step, before its wgmmas,
+# so the wgmmas hide the latency (True): no SMEM, TMA or barrier per stage
+# for them (DEFAULT_CONFIG then keeps its 128-column epilogue). A list so
+# that a benchmark or test can switch it.
+A_SCALES_FROM_GMEM = [False]
 
 
 @contextlib.contextmanager
-def row_chunk_cols(cols: int | None):
-  """Sets ROW_CHUNK_COLS[0] to `cols` for the kernels traced inside."""
-  saved = ROW_CHUNK_COLS[0]
-  ROW_CHUNK_COLS[0] = cols
+def _setting(flag, value):
+  saved = flag[0]
+  flag[0] = value
   try:
     yield
   finally:
-    ROW_CHUNK_COLS[0] = saved
+    flag[0] = saved
+
+
+def row_chunk_cols(cols: int | None):
+  """Sets ROW_CHUNK_COLS[0] to `cols` for the kernels traced inside."""
+  return _setting(ROW_CHUNK_COLS, cols)
+
+
+def a_scales_from_gmem(on: bool = True):
+  """Sets A_SCALES_FROM_GMEM[0] for the kernels traced inside."""
+  return _setting(A_SCALES_FROM_GMEM, on)
 
 
 def validate_config(cfg: Config, b_granularity: str):
@@ -120,12 +135,14 @@ def select_config(m: int, n: int, num_ctas: int | None = None, *,
                                   candidates=CANDIDATES[b_granularity])
 
 
-def _load(ref, layout):
-  """plgpu.load of a whole ref; jax 0.10 wants the index as an argument."""
+def _load(ref, layout, optimized=True):
+  """plgpu.load of a whole ref; jax 0.10 wants the index as an argument.
+  optimized=False for GMEM refs (Mosaic plans vector transfers for SMEM
+  only)."""
   try:
-    return plgpu.load(ref, layout=layout)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
   except TypeError:  # jax < 0.11: `idx` is positional and required.
-    return plgpu.load(ref, None, layout=layout)
+    return plgpu.load(ref, None, layout=layout, optimized=optimized)
 
 
 def _promote_scaled(total, accs, add_scaled, release=()):
@@ -142,8 +159,9 @@ def _promote_scaled(total, accs, add_scaled, release=()):
 
 
 def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
-            cfg: Config, b_granularity: str, bs_k_first: bool, m_iters: int,
-            n_iters: int, k_iters: int, stages: int):
+            cfg: Config, b_granularity: str, bs_k_first: bool,
+            as_from_gmem: bool, m_iters: int, n_iters: int, k_iters: int,
+            stages: int):
   """Kernel body. GMEM: a (Mp, Kp), b (Np, Kp) FP8; as (Kp / 128,
   M' / wg_m, wg_m) f32 (a_scale transposed); bs (n_iters, Kp / 128) f32 for
   'block' ((Kp / 128, n_iters) if bs_k_first), (Kp / 128, N') for 'row';
@@ -160,14 +178,14 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
     arrays: a block that reaches past an array's end is then no provably
     in-bounds block, and TMA fills the outside with zeros (a block of a
     sliced ref would be copied whole, past the end)."""
-    specs = [plgpu.BlockSpec(
+    specs = [] if as_from_gmem else [plgpu.BlockSpec(
         (blocks, cfg.compute_wgs, wg_m), lambda k: (k, mi, 0),
         memory_space=plgpu.SMEM)]
     if rows_b:
       specs.append(plgpu.BlockSpec(
           (blocks, cfg.block_n), lambda k: (k, ni), memory_space=plgpu.SMEM))
     return specs
-  num_inputs = 3 + rows_b
+  num_inputs = 2 + (not as_from_gmem) + rows_b
   make_pipeline = lambda body, context, state=None, mi=0, ni=0: (
       mosaic_gpu._pipeline(  # pylint: disable=protected-access
           body, context, cfg=cfg, grid=(k_iters,), a_index=lambda k: (0, k),
@@ -176,7 +194,11 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
           manual_release=cfg.early_release, state=state,
           extra_specs=scale_specs(mi, ni)))
   ignore = lambda *_, **__: None
-  gmem_scales = (as_gmem, bs_gmem) if rows_b else (as_gmem,)
+  gmem_scales = ((() if as_from_gmem else (as_gmem,))
+                 + ((bs_gmem,) if rows_b else ()))
+  # The last (wg_m,) row of a scales: rows past it are read from it instead
+  # (their A rows are zero, their outputs clipped or sliced off).
+  last_as_row = as_gmem.shape[1] - 1
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
   cols_layout = plgpu.Layout.WGMMA.reduce(0)
   # The FP32 sum is a tuple of (wg_m, chunk) column chunks, the epilogue's
@@ -215,7 +237,8 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
         (k,) = idx
         smems, release, carry = (args[:num_inputs], args[num_inputs:-1],
                                  args[-1])
-        a_smem, b_smem, as_smem = smems[:3]
+        a_smem, b_smem = smems[:2]
+        cols_smem = smems[-1] if rows_b else None
         # A and B go back to TMA as soon as their wgmmas are done; the
         # scales once read (the adds may then interleave with their loads).
         ab_release, scale_release = release[:2], release[2:]
@@ -224,15 +247,20 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
           if not rows_b:  # GMEM scalars, issued before the wgmmas.
             b_s = [bs_gmem[k * blocks + j, ni] if bs_k_first else
                    bs_gmem[ni, k * blocks + j] for j in range(blocks)]
+          if as_from_gmem:  # likewise
+            row = jnp.minimum(mi * cfg.compute_wgs + wg, last_as_row)
+            a_s = [_load(as_gmem.at[k * blocks + j, row], rows_layout,
+                         optimized=False) for j in range(blocks)]
           mosaic_gpu._issue_wgmmas(accs, a_smem, b_smem, wg_sl)  # pylint: disable=protected-access
-          a_s = [_load(as_smem.at[j, wg], rows_layout)
-                 for j in range(blocks)]
+          if not as_from_gmem:
+            a_s = [_load(smems[2].at[j, wg], rows_layout)
+                   for j in range(blocks)]
 
           def add_scaled(total, part, j):
             if rows_b:
               a_j = bcast(a_s[j], 0)
               return tuple(
-                  t + part[:, cs] * bcast(_load(smems[3].at[j, cs],
+                  t + part[:, cs] * bcast(_load(cols_smem.at[j, cs],
                                                 cols_layout), 1) * a_j
                   for t, cs in zip(total, chunks))
             s = bcast(a_s[j] * b_s[j], 0)
@@ -439,8 +467,10 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
                      f' divides block_n={cfg.block_n} and spans a multiple'
                      ' of 32 bytes of output.')
   blocks = cfg.split_k
+  as_from_gmem = A_SCALES_FROM_GMEM[0]
   # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32.
-  scale_bytes = blocks * 4 * (cfg.block_m + (cfg.block_n if rows_b else 0))
+  scale_bytes = blocks * 4 * ((0 if as_from_gmem else cfg.block_m)
+                              + (cfg.block_n if rows_b else 0))
   stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
       cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes,
       out_cols=chunk)
@@ -466,6 +496,7 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
   f = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
                         bs_k_first=b_scale_transposed and not rows_b,
+                        as_from_gmem=as_from_gmem,
                         m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
                         stages=stages),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),

@@ -379,6 +379,29 @@ def test_row_scales_lower_in_narrower_chunks(config, out_dtype):
   assert mosaic_gpu_block.ROW_CHUNK_COLS[0] is None
 
 
+@pytest.mark.parametrize('config,granularity', RUNNABLE)
+@pytest.mark.parametrize('transposed', [True, False])
+def test_a_scales_from_gmem_lower_for_cuda(config, granularity, transposed):
+  """A_SCALES_FROM_GMEM: a scales loaded by each warpgroup from GMEM."""
+  m, n, k = 640, 400, 384
+  sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(
+      m, n, k, granularity, a_scale_transposed=transposed,
+      b_scale_transposed=transposed)
+  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
+            jax.ShapeDtypeStruct((n, k), E4M3),
+            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
+            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
+
+  def f(a, b, sa, sb):
+    with mosaic_gpu_block.a_scales_from_gmem():
+      return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+          a, b, sa, sb, b_granularity=granularity, config=config,
+          a_scale_transposed=transposed, b_scale_transposed=transposed)
+  lowered = jax.jit(f).trace(*shapes).lower(lowering_platforms=('cuda',))
+  assert 'mosaic_gpu' in lowered.as_text()
+  assert not mosaic_gpu_block.A_SCALES_FROM_GMEM[0]
+
+
 def test_row_chunk_cols_errors():
   with mosaic_gpu_block.row_chunk_cols(48):
     with pytest.raises(ValueError, match='ROW_CHUNK_COLS=48'):
@@ -500,6 +523,24 @@ def test_transposed_scales_exact(config, granularity, mnk):
   out = mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
       a, b, sa.T, sb.T, b_granularity=granularity, out_dtype=jnp.float32,
       config=config, a_scale_transposed=True, b_scale_transposed=True)
+  np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, granularity))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('config,granularity', RUNNABLE)
+@pytest.mark.parametrize('mnk', [(1040, 528, 2048)])
+def test_a_scales_from_gmem_exact(config, granularity, mnk):
+  """A_SCALES_FROM_GMEM, scales K-block first, partial tiles."""
+  m, n, k = mnk
+  ka, kb, ks = jax.random.split(jax.random.key(m + n + k + 3), 3)
+  a = small_ints(ka, (m, k), E5M2)
+  b = small_ints(kb, (n, k), E4M3)
+  sa, sb = pow2_scales(ks, m, n, k, granularity)
+  with mosaic_gpu_block.a_scales_from_gmem():
+    out = mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+        a, b, sa.T, sb.T, b_granularity=granularity, out_dtype=jnp.float32,
+        config=config, a_scale_transposed=True, b_scale_transposed=True)
   np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, granularity))
 
 
