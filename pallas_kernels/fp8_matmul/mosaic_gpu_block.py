@@ -300,7 +300,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
 
 def fp8_matmul_block_scaled_mosaic(
     a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
-    b_granularity: str, out_dtype=jnp.bfloat16,
+    b_granularity: str | None = None, out_dtype=jnp.bfloat16,
     config: Config | None = None, a_scale_transposed: bool = False,
     b_scale_transposed: bool = False) -> jax.Array:
   """Block-scaled (a @ b.T) on Hopper with Pallas Mosaic GPU.
@@ -315,7 +315,8 @@ def fp8_matmul_block_scaled_mosaic(
       (the scale of the 128x128 block b[128 nb :, 128 kb :]), or
       (N, K // 128) for 'row' (the scale of b[n, 128 kb : 128 (kb + 1)]);
       (K // 128, cdiv(N, 128)) or (K // 128, N) if b_scale_transposed.
-    b_granularity: 'block' or 'row' (static).
+    b_granularity: 'block' or 'row' (static); None: read from b_scale's
+      shape (N scale rows: 'row', cdiv(N, 128): 'block').
     out_dtype: bfloat16 or float32.
     config: tiling; `select_config(M, N, b_granularity)` when None (see
       `validate_config`).
@@ -331,6 +332,8 @@ def fp8_matmul_block_scaled_mosaic(
   """
   if plgpu is None:
     raise RuntimeError('jax.experimental.pallas.mosaic_gpu is unavailable.')
+  if b_granularity is None:
+    b_granularity = _granularity_of(b, b_scale, b_scale_transposed)
   m, n, k = _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype,
                         a_scale_transposed, b_scale_transposed)
   cfg = config or select_config(m, n, b_granularity=b_granularity)
@@ -344,6 +347,21 @@ def fp8_matmul_block_scaled_mosaic(
   return _call_kernel(a, b, a_scale, b_scale, b_granularity,
                       jnp.dtype(out_dtype), cfg, m, n, k,
                       a_scale_transposed, b_scale_transposed)
+
+
+def _granularity_of(b, b_scale, transposed):
+  """'row' or 'block' from b_scale's shape, or a ValueError."""
+  n = getattr(b, 'shape', (0,))[0]
+  shape = getattr(b_scale, 'shape', ())
+  rows = shape[1 if transposed else 0] if len(shape) == 2 else None
+  if rows == n:
+    return 'row'
+  if rows == pl.cdiv(n, SCALE_BLOCK):
+    return 'block'
+  raise ValueError(
+      f'b_scale has shape {shape}: with b_granularity=None it needs N = {n}'
+      f' (\'row\') or cdiv(N, 128) = {pl.cdiv(n, SCALE_BLOCK)} (\'block\')'
+      f' scale {"columns" if transposed else "rows"}.')
 
 
 def scale_shapes(m: int, n: int, k: int, b_granularity: str, *,

@@ -154,6 +154,34 @@ def test_validation_of_transposed_block_scales():
     mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(**args)
 
 
+@pytest.mark.parametrize('granularity', GRANULARITIES)
+@pytest.mark.parametrize('transposed', [False, True])
+def test_granularity_read_from_the_b_scale_shape(granularity, transposed):
+  """b_granularity=None (how api.py calls the kernel) reads it from
+  b_scale's shape: the same kernel as the explicit granularity."""
+  m, n, k = 384, 256, 512
+  sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(
+      m, n, k, granularity, a_scale_transposed=transposed,
+      b_scale_transposed=transposed)
+  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
+            jax.ShapeDtypeStruct((n, k), E4M3),
+            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
+            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
+  texts = [jax.jit(lambda a, b, sa, sb, g=g: (
+      mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+          a, b, sa, sb, b_granularity=g, a_scale_transposed=transposed,
+          b_scale_transposed=transposed))).trace(*shapes).lower(
+              lowering_platforms=('cuda',)).as_text()
+           for g in (None, granularity)]
+  assert texts[0] == texts[1]
+
+
+def test_granularity_of_a_wrong_b_scale_shape():
+  args = _args(b_scale=jnp.ones((3, 2), jnp.float32), b_granularity=None)
+  with pytest.raises(ValueError, match=r'N = 256.*cdiv\(N, 128\) = 2'):
+    mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(**args)
+
+
 def test_validation_of_odd_n_block_scales():
   """N not a multiple of 128: 'block' b scales cover the last, partial
   block (cdiv(N, 128) rows)."""
