@@ -13,6 +13,8 @@
   python3 benchmarks/matmul.py --k-lines --configs 1,19   # time against K
   python3 benchmarks/matmul.py --sweep --semantics warpgroup   # Mosaic's other
   python3 benchmarks/matmul.py --skip bf16 --triton-configs 0   # shorter
+  python3 benchmarks/matmul.py --block [--quick]   # block-scaled, paired
+  python3 benchmarks/matmul.py --block --shapes 4,3,2048x2048x16384:row
 
 All operands are K-major: a (M, K), b (N, K); out (M, N) bfloat16 with the
 two per-tensor scales applied. Timing: >= 2 s of warm-up, then the median over
@@ -45,6 +47,7 @@ import numpy as np
 
 from pallas_kernels.fp8_matmul import api  # pylint: disable=g-import-not-at-top
 from pallas_kernels.fp8_matmul import mosaic_gpu
+from pallas_kernels.fp8_matmul import mosaic_gpu_block
 from pallas_kernels.fp8_matmul import triton_peer
 from pallas_kernels.quantize_per_group import api as group_api
 
@@ -690,6 +693,191 @@ def run_groups(args, log):
     print(f'| {r["shape"]} | ' + ' | '.join(cells) + f' | {ratio} |')
 
 
+# The 1b model's GEMMs (hidden 2048, intermediate 5632, k/v 256, T tokens):
+# (name, out features, in features) of q/o, k/v, gate/up and down, each as
+# fwd (T x out x in), dgrad (T x in x out) and wgrad (out x in x T).
+LAYERS_1B = [('q/o', 2048, 2048), ('k/v', 256, 2048), ('gate/up', 5632, 2048),
+             ('down', 2048, 5632)]
+SHAPES_1B = [shape for name, out, inp in LAYERS_1B for shape in (
+    (f'1b {name} fwd', T, out, inp, E4M3),
+    (f'1b {name} dgrad', T, inp, out, E5M2),
+    (f'1b {name} wgrad', out, inp, T, E5M2))]
+
+
+def block_granularity(name):
+  """wgrad GEMMs tile both operands along tokens ('row' b scales); the
+  others multiply by a weight in 128x128 blocks ('block')."""
+  return 'row' if 'wgrad' in name else 'block'
+
+
+def block_scales(m, n, k, granularity, seed=1):
+  """Random positive float32 scales of the block kernel's shapes."""
+  ka, kb = jax.random.split(jax.random.key(seed))
+  nb = n if granularity == 'row' else -(-n // 128)
+  sa = jax.random.uniform(ka, (m, k // 128), jnp.float32, 0.5, 2.0)
+  sb = jax.random.uniform(kb, (nb, k // 128), jnp.float32, 0.5, 2.0)
+  return jax.block_until_ready((sa, sb))
+
+
+def block_ref_rows(a, b, sa, sb, granularity, rows):
+  """float32 (HIGHEST) result of the block-scaled product for a's `rows`,
+  from the dequantized operands (exact products, f32 sums)."""
+  expand = lambda x, s, r: x.astype(jnp.float32) * jnp.repeat(
+      jnp.repeat(s, 128, axis=1), r, axis=0)[:x.shape[0]]
+  a_deq = expand(a[rows], sa[rows], 1)
+  b_deq = expand(b, sb, 1 if granularity == 'row' else 128)
+  return jnp.dot(a_deq, b_deq.T, precision=jax.lax.Precision.HIGHEST)
+
+
+def block_alternatives(granularity):
+  """(label, config, settings) the block kernel can run for this
+  granularity, timed beside select_config's choice with --block-configs;
+  settings: `chunk` (ROW_CHUNK_COLS), `gmem` (A_SCALES_FROM_GMEM)."""
+  three, default = mosaic_gpu.THREE_WG_CONFIG, mosaic_gpu.DEFAULT_CONFIG
+  gmem = dict(gmem=True)
+  out = [('192x128 3wg', three, {}), ('128x128 2wg', default, {}),
+         ('192x128 3wg a-gmem', three, gmem),
+         ('128x128 2wg a-gmem', default, gmem)]
+  if granularity == 'block':
+    return out
+  row_two, row_three = (mosaic_gpu_block.ROW_TWO_WG_CONFIG,
+                        mosaic_gpu_block.ROW_THREE_WG_CONFIG)
+  return out[:3] + [
+      ('128x128 2wg k128', row_two, {}),
+      ('128x128 2wg k128 a-gmem', row_two, gmem),
+      ('192x96 3wg', row_three, {}),
+      ('192x128 3wg chunk32', three, dict(chunk=32))]
+
+
+def parse_block_shape(spec):
+  """An index into SHAPES + SHAPES_1B, or MxNxK (E4M3 x E4M3, 'block' b
+  scales), or MxNxK:row (E5M2 x E4M3, 'row' b scales, as a wgrad)."""
+  if 'x' not in spec:
+    return (SHAPES + SHAPES_1B)[int(spec)]
+  dims, _, kind = spec.partition(':')
+  m, n, k = map(int, dims.split('x'))
+  if kind == 'row':
+    return (f'{dims} wgrad', m, n, k, E5M2)
+  return (dims, m, n, k, E4M3)
+
+
+def run_block(args, log):
+  """Block-scaled Pallas kernel vs the per-tensor Pallas kernel and cuBLASLt
+  precise, paired rounds (`time_mirrored`) per shape: the 13 Llama-2-7B
+  shapes and the 1b model's. Ratios are speeds relative to the block
+  kernel's (> 1: the block kernel is faster). The block kernel gets its
+  scales K-block first (no layout op per call); 'in-call layout' is what
+  passing (M, K / 128) scales instead adds (the wrapper's transposes).
+  --block-configs also times the other configs it can run.
+  """
+  t_start = time.perf_counter()
+  budget = args.budget_s or (200 if args.quick else None)
+  if args.block_b_as_rows:
+    mosaic_gpu_block.BLOCK_SCALES_AS_SCALARS[0] = False
+  log['block_scales_as_scalars'] = mosaic_gpu_block.BLOCK_SCALES_AS_SCALARS[0]
+  global_warmup(2.0)
+  rounds = args.rounds or (5 if args.quick else 15)
+  shapes = [parse_block_shape(x) for x in args.shapes.split(',')
+            ] if args.shapes else SHAPES + SHAPES_1B
+  rows = []
+  for name, m, n, k, a_dtype in shapes:
+    if budget and time.perf_counter() - t_start > budget:
+      print(f'time budget of {budget} s spent: skipped {name} and the'
+            ' shapes after it (--budget-s)', flush=True)
+      break
+    gran = block_granularity(name)
+    a, b = operands(m, n, k, a_dtype)
+    sa, sb = block_scales(m, n, k, gran)
+    s = jnp.float32(0.75)
+    cfg = mosaic_gpu_block.select_config(m, n, b_granularity=gran)
+    row = dict(name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
+               granularity=gran, config=_tile(cfg))
+    try:
+      # Timed as a train step calls it: scales K-block first, as the
+      # quantizers write them; 'untransposed' passes (M, K / 128) scales,
+      # which the wrapper transposes per call.
+      def block_fn(config=None, transposed=True, chunk=None, gmem=False):
+        def f(a, b, s, sa, sb):
+          del s
+          with mosaic_gpu_block.row_chunk_cols(chunk), \
+               mosaic_gpu_block.a_scales_from_gmem(gmem):  # at trace time
+            return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+                a, b, sa.T if not transposed else sa,
+                sb.T if not transposed else sb, b_granularity=gran,
+                config=config, a_scale_transposed=transposed,
+                b_scale_transposed=transposed)
+        return jax.jit(f)
+      block = block_fn()
+      alts = [(label, c, settings)
+              for label, c, settings in block_alternatives(gran)
+              if args.block_configs and (c, settings) != (cfg, {})]
+      fns = [
+          block,
+          jax.jit(lambda a, b, s, sa, sb: pallas(a, b, s)),
+          jax.jit(lambda a, b, s, sa, sb: xla_precise(a, b, s)),
+          block_fn(transposed=False),
+      ] + [block_fn(c, **settings) for _, c, settings in alts]
+      sa, sb = jax.block_until_ready((sa.T, sb.T))  # K-block first
+      operands_ = (a, b, s, sa, sb)
+      sample = np.unique(np.linspace(0, m - 1, 64).astype(np.int32))
+      out = block(*operands_)
+      ref = block_ref_rows(a, b, sa.T, sb.T, gran, sample)
+      row['err'] = float(rel_diff(out[sample], ref))  # BF16 out: ~2e-3
+      times = time_mirrored(fns, operands_, rounds)
+      med = [statistics.median(t) for t in times]
+      flops = 2.0 * m * n * k
+      per_round = lambda j: [x / y for x, y in zip(times[j], times[0])]
+      row.update(
+          block=flops / med[0] / 1e12, pallas=flops / med[1] / 1e12,
+          precise=flops / med[2] / 1e12,
+          layout_us=(med[3] - med[0]) * 1e6,
+          vs_pallas=statistics.median(per_round(1)),
+          vs_pallas_lo=min(per_round(1)), vs_pallas_hi=max(per_round(1)),
+          vs_precise=statistics.median(per_round(2)))
+      # Each alternative config's speed relative to the per-tensor kernel.
+      row['alts'] = {
+          label: statistics.median(
+              [p / x for p, x in zip(times[1], times[4 + i])])
+          for i, (label, _, _) in enumerate(alts)}
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      row['error'] = f'{type(e).__name__}: {str(e)[:300]}'
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    del a, b
+  log['block'] = rows
+  print('\n| GEMM | M | N | K | A | b scales | tile | block TFLOP/s |'
+        ' per-tensor Pallas | cuBLASLt precise | block / per-tensor'
+        ' (median, min..max) | block / precise | in-call layout (us) |'
+        ' err |')
+  print('|---' * 14 + '|')
+  for r in rows:
+    if 'error' in r:
+      print(f'| {r["name"]} | {r["m"]} | {r["n"]} | {r["k"]} | {r["a"]} |'
+            f' {r["granularity"]} | {r["config"]} | ERROR {r["error"]} |')
+      continue
+    print(f'| {r["name"]} | {r["m"]} | {r["n"]} | {r["k"]} | {r["a"]} |'
+          f' {r["granularity"]} | {r["config"]} | {r["block"]:.0f} |'
+          f' {r["pallas"]:.0f} | {r["precise"]:.0f} |'
+          f' {r["vs_pallas"]:.3f} ({r["vs_pallas_lo"]:.3f}..'
+          f'{r["vs_pallas_hi"]:.3f}) | {r["vs_precise"]:.3f} |'
+          f' {r["layout_us"]:.1f} | {r["err"]:.1e} |')
+    for label, ratio in r.get('alts', {}).items():
+      print(f'|   {r["name"]} with {label} | | | | | | {label} | | | |'
+            f' {ratio:.3f} | | | |')
+  groups = (('Llama-2-7B', {x[0] for x in SHAPES}),
+            ('1b', {x[0] for x in SHAPES_1B}), ('all', None))
+  for label, names in groups:
+    ok = [r for r in rows if 'error' not in r
+          and (names is None or r['name'] in names)]
+    if ok:
+      vs_pallas = statistics.geometric_mean([r['vs_pallas'] for r in ok])
+      vs_precise = statistics.geometric_mean([r['vs_precise'] for r in ok])
+      print(f'geomean over {len(ok)} {label} shapes: block / per-tensor'
+            f' Pallas {vs_pallas:.3f} (target >= 0.95), block / cuBLASLt'
+            f' precise {vs_precise:.3f}')
+
+
 def triton32(a, b, cfg):
   if triton_why_not() is not None:
     raise RuntimeError('n/a')
@@ -708,6 +896,18 @@ def main():
   p.add_argument('--accuracy', action='store_true')
   p.add_argument('--groups', action='store_true')
   p.add_argument('--paired', action='store_true')
+  p.add_argument('--block', action='store_true',
+                 help='block-scaled kernel vs per-tensor Pallas and cuBLASLt'
+                 ' precise, paired (--shapes, --rounds, --quick apply)')
+  p.add_argument('--block-configs', action='store_true',
+                 help='with --block: also time the other configs the block'
+                 ' kernel can run (ratios to the per-tensor kernel)')
+  p.add_argument('--block-b-as-rows', action='store_true',
+                 help='with --block: expand \'block\' b scales to rows in'
+                 ' the wrapper (pipelined) instead of GMEM scalars')
+  p.add_argument('--budget-s', type=float, default=0,
+                 help='with --block: start no new shape after this many'
+                 ' seconds (default: 200 with --quick, else none)')
   p.add_argument('--k-lines', action='store_true',
                  help='time against K at M = N = 8192 (--configs: Pallas)')
   p.add_argument('--paired-config', default='',
@@ -721,7 +921,8 @@ def main():
   p.add_argument('--shapes', default='',
                  help='with --paired: indices into SHAPES (the whole-waves'
                  ' shape last) or MxNxK, e.g. 0,8448x8064x8192 (default:'
-                 ' all)')
+                 ' all); with --block: indices into SHAPES + SHAPES_1B, or'
+                 ' MxNxK, or MxNxK:row')
   p.add_argument('--semantics', choices=('lane', 'warpgroup'), default=None,
                  help='Mosaic GPU lowering semantics of the Pallas kernel')
   p.add_argument('--quick', action='store_true')
@@ -744,17 +945,18 @@ def main():
   mode = ('all' if args.all else 'sweep' if args.sweep else
           'accuracy' if args.accuracy else 'groups' if args.groups else
           'paired' if args.paired else 'k_lines' if args.k_lines else
-          'main')
+          'block' if args.block else 'main')
   try:
     if mode == 'all':
       run_sweep(args, log)
       run_main(args, log)
     else:
       {'sweep': run_sweep, 'accuracy': run_accuracy, 'groups': run_groups,
-       'paired': run_paired, 'k_lines': run_k_lines,
+       'paired': run_paired, 'k_lines': run_k_lines, 'block': run_block,
        'main': run_main}[mode](args, log)
   finally:
     tag = f'_{args.semantics}' if args.semantics else ''
+    tag += '_configs' if args.block_configs else ''
     with open(os.path.join(args.out, f'matmul_{mode}{tag}.json'), 'w') as fh:
       json.dump(log, fh, indent=1, default=str)
 

@@ -182,10 +182,12 @@ def _num_sms() -> int:
     return 132
 
 
-def select_config(m: int, n: int, num_ctas: int | None = None) -> Config:
+def select_config(m: int, n: int, num_ctas: int | None = None,
+                  candidates=None) -> Config:
   """The candidate config of highest speed x wave efficiency for an (m, n)
   output, where wave efficiency is m * n over the tile area of all CTAs in
-  the whole waves that the tiles take (the last wave may be partly idle)."""
+  the whole waves that the tiles take (the last wave may be partly idle).
+  candidates: ((config, speed per tile), ...); default CANDIDATES."""
   num_ctas = num_ctas or _num_sms()
 
   def score(candidate):
@@ -193,7 +195,7 @@ def select_config(m: int, n: int, num_ctas: int | None = None) -> Config:
     tiles = pl.cdiv(m, cfg.block_m) * pl.cdiv(n, cfg.block_n)
     waves = pl.cdiv(tiles, num_ctas)
     return speed * m * n / (waves * num_ctas * cfg.block_m * cfg.block_n)
-  return max(CANDIDATES, key=score)[0]
+  return max(candidates or CANDIDATES, key=score)[0]
 
 
 def _transforms(dtype, minor_elems: int):
@@ -223,11 +225,13 @@ def _epilogue_n(cfg: Config, out_itemsize: int, limit: int) -> int:
 
 
 def _plan_smem(cfg: Config, in_itemsize: int, out_itemsize: int, *,
-               out_cols: int | None = None,
-               extra_bytes: int = 0) -> tuple[int, int]:
+               out_cols: int | None = None, extra_bytes: int = 0,
+               extra_stage_bytes: int = 0) -> tuple[int, int]:
   """(pipeline stages, epilogue columns) that fit shared memory, with
-  `out_cols` epilogue columns if given and `extra_bytes` more for it."""
-  per_stage = (cfg.block_m + cfg.block_n) * cfg.block_k * in_itemsize
+  `out_cols` epilogue columns if given and `extra_bytes` more for it, and
+  `extra_stage_bytes` more per stage (further pipelined inputs)."""
+  per_stage = ((cfg.block_m + cfg.block_n) * cfg.block_k * in_itemsize
+               + extra_stage_bytes)
   best = None
   for limit in (32 * 1024, 16 * 1024):
     epi_n = out_cols or _epilogue_n(cfg, out_itemsize, limit)
@@ -241,10 +245,12 @@ def _plan_smem(cfg: Config, in_itemsize: int, out_itemsize: int, *,
 
 
 def _store_tile(acc, scale_ref, out_tile, out_smem, wg):
-  """Scales warpgroup wg's f32 accumulator, casts it to out_tile's dtype and
-  TMA-stores it to out_tile (GMEM), through out_smem[wg] in column chunks."""
+  """Scales warpgroup wg's f32 accumulator by scale_ref[0] (unless
+  scale_ref is None), casts it to out_tile's dtype and TMA-stores it to
+  out_tile (GMEM), through out_smem[wg] in column chunks."""
   epi_n = out_smem.shape[-1]
-  y = (acc * scale_ref[0]).astype(out_tile.dtype)
+  y = acc if scale_ref is None else acc * scale_ref[0]
+  y = y.astype(out_tile.dtype)
   for j in range(acc.shape[1] // epi_n):
     cols = slice(j * epi_n, (j + 1) * epi_n)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -360,10 +366,11 @@ def _promote(total, accs, release=()):
 
 def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
               a_dtype, b_dtype, stages: int, delay: int = 0,
-              manual_release: bool = False, state=None):
+              manual_release: bool = False, state=None, extra_specs=()):
   """The warp-specialized pipeline both kernels run: TMA streams
   (block_m, block_k) tiles of A at `a_index(*step)` and (block_n, block_k)
-  tiles of B at `b_index(*step)` to the compute warpgroups. `state` is a
+  tiles of B at `b_index(*step)` to the compute warpgroups, and the blocks
+  of `extra_specs` (BlockSpecs of further inputs) after them. `state` is a
   `plgpu.PipelinePipeline` for a pipeline that follows or precedes another
   over the same allocations, or None for one that drains."""
   return plgpu.emit_pipeline_warp_specialized(
@@ -380,6 +387,7 @@ def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
               transforms=_transforms(b_dtype, cfg.block_k),
               memory_space=plgpu.SMEM, delay_release=delay,
               collective_axes=('cluster',) if cfg.cluster_m == 2 else ()),
+          *extra_specs,
       ],
       wg_axis='wg',
       num_compute_wgs=cfg.compute_wgs,

@@ -1,0 +1,530 @@
+"""Block-scaled FP8 matmul for Hopper GPUs in Pallas Mosaic GPU (wgmma, TMA).
+
+  out[m, n] = sum_kb (sum_{k in kb} a[m, k] b[n, k]) * a_scale[m, kb]
+                                                     * b_scale[., kb]
+
+a (M, K) and b (N, K) are K-major FP8; kb runs over the K // 128 blocks of
+128 along K. a_scale (M, K // 128) float32 holds one scale per row of a per
+128 of K (1x128 tiles). b_scale is either per 128x128 block of b,
+(cdiv(N, 128), K // 128), read as b_scale[n // 128, kb] (`'block'`: the
+weights of the forward and dgrad GEMMs), or per row of b per 128 of K,
+(N, K // 128), read as b_scale[n, kb] (`'row'`: the wgrad GEMM, whose
+operands are both tiled along tokens). DeepSeek-V3's granularity.
+
+The kernel is `mosaic_gpu`'s (persistent, warp specialized, TMA, wgmma,
+FP32 promotion every 128 of K; overlapped tiles with THREE_WG_CONFIG) with
+the scales applied where each 128-K wgmma partial is promoted:
+total += part * a_s[:, None] * b_s, with
+- a_s: the warpgroup's rows of a_scale for that K block, pipelined by TMA
+  beside the A and B tiles from a copy laid out (K // 128, M) in the wrapper
+  (a (split_k, compute_wgs, wg_m) block per step, so that each warpgroup
+  loads its own contiguous row vector, WGMMA row layout);
+- b_s: for 'block' one float32 scalar per (N tile, K block), since
+  block_n == 128, read from GMEM at the start of the step so its latency
+  hides behind the wgmma; for 'row' a (block_n,) column vector per K block,
+  pipelined by TMA from a (K // 128, N) copy (WGMMA column layout).
+The output is not scaled again: the FP32 sum is cast and stored.
+
+NaN and Inf propagate by IEEE rules: a NaN in a[m, :] or a_scale[m, :]
+makes row m of the output NaN, a NaN in b_scale makes its block's (or
+row's) output columns NaN; a zero scale times an Inf partial sum is NaN.
+
+Needs Config(promote=True) with block_k == 128 * split_k (one scale per
+wgmma partial), cluster_m == 1, chain_tiles False, and block_n == 128 for
+'block' scales (a multiple of 32 for 'row'). Runs on Hopper GPUs with jax
+0.11.2; imports anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_matmul import mosaic_gpu
+from pallas_kernels.fp8_matmul.mosaic_gpu import Config
+from pallas_kernels.fp8_matmul.mosaic_gpu import pl
+from pallas_kernels.fp8_matmul.mosaic_gpu import plgpu
+
+SCALE_BLOCK = 128  # elements of K (and of N for 'block' scales) per scale
+GRANULARITIES = ('block', 'row')
+_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+_E5M2 = jnp.dtype(jnp.float8_e5m2)
+_DTYPE_PAIRS = ((_E4M3, _E4M3), (_E5M2, _E4M3), (_E4M3, _E5M2))
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# 'block' b scales: read as one GMEM scalar per (N tile, K block) (True), or
+# expanded to per-row scales in the wrapper and pipelined as 'row' ones
+# (False). A list so that a benchmark or test can switch it.
+BLOCK_SCALES_AS_SCALARS = [True]
+# 'row' b scales: columns per chunk of the FP32 sum (and per epilogue
+# store), whose column scales are loaded at once (None: the epilogue's
+# widest chunk). Narrower chunks hold fewer scale registers beside the sum
+# and the partial; a list so that a benchmark can switch it.
+ROW_CHUNK_COLS = [None]
+# a scales: pipelined by TMA through SMEM beside A and B (False), or loaded
+# by each warpgroup from GMEM at the start of its step, before its wgmmas,
+# so the wgmmas hide the latency (True): no SMEM, TMA or barrier per stage
+# for them (DEFAULT_CONFIG then keeps its 128-column epilogue). A list so
+# that a benchmark or test can switch it.
+A_SCALES_FROM_GMEM = [False]
+
+
+@contextlib.contextmanager
+def _setting(flag, value):
+  saved = flag[0]
+  flag[0] = value
+  try:
+    yield
+  finally:
+    flag[0] = saved
+
+
+def row_chunk_cols(cols: int | None):
+  """Sets ROW_CHUNK_COLS[0] to `cols` for the kernels traced inside."""
+  return _setting(ROW_CHUNK_COLS, cols)
+
+
+def a_scales_from_gmem(on: bool = True):
+  """Sets A_SCALES_FROM_GMEM[0] for the kernels traced inside."""
+  return _setting(A_SCALES_FROM_GMEM, on)
+
+
+def validate_config(cfg: Config, b_granularity: str):
+  """Raises ValueError unless `cfg` can run the block-scaled kernel."""
+  cfg.validate(1)
+  if not cfg.promote or cfg.block_k != SCALE_BLOCK * cfg.split_k:
+    raise ValueError(
+        f'{cfg}: block scales need promote=True and block_k == 128 *'
+        ' split_k (one wgmma partial per 128 of K).')
+  if cfg.cluster_m != 1 or cfg.chain_tiles:
+    raise ValueError(f'{cfg}: block scales need cluster_m=1 and'
+                     ' chain_tiles=False.')
+  if b_granularity == 'block' and cfg.block_n != SCALE_BLOCK:
+    raise ValueError(f'block_n={cfg.block_n}: \'block\' b scales need'
+                     ' block_n == 128 (one scale per tile and K block).')
+  if b_granularity == 'row' and cfg.block_n % 32:
+    raise ValueError(f'block_n={cfg.block_n}: \'row\' b scales need a'
+                     ' multiple of 32 (Mosaic GPU copies whole 128 bytes of'
+                     ' float32 scales per warpgroup).')
+
+
+# 'row' b scales hold a column vector per K block beside the FP32 sum and
+# the wgmma partial: configs with room for it in registers (64 + 64
+# accumulator registers per thread of 232 with two warpgroups, 48 + 48 of
+# 160 with three), candidates for the benchmark (matmul.py --block
+# --block-configs) until measured.
+ROW_TWO_WG_CONFIG = Config(block_k=128, split_k=1, max_stages=4,
+                           overlap_tiles=True)
+ROW_THREE_WG_CONFIG = Config(block_m=192, block_n=96, block_k=128,
+                             split_k=1, max_stages=4, compute_wgs=3,
+                             pad_mn=False, early_release=True,
+                             overlap_tiles=True)
+# (config, speed per tile) per b_granularity, as mosaic_gpu.CANDIDATES.
+CANDIDATES = {'block': mosaic_gpu.CANDIDATES, 'row': mosaic_gpu.CANDIDATES}
+
+
+def select_config(m: int, n: int, num_ctas: int | None = None, *,
+                  b_granularity: str = 'block') -> Config:
+  """The config of highest speed x wave efficiency among
+  CANDIDATES[b_granularity] for an (m, n) output."""
+  return mosaic_gpu.select_config(m, n, num_ctas,
+                                  candidates=CANDIDATES[b_granularity])
+
+
+def _load(ref, layout, optimized=True):
+  """plgpu.load of a whole ref; jax 0.10 wants the index as an argument.
+  optimized=False for GMEM refs (Mosaic plans vector transfers for SMEM
+  only)."""
+  try:
+    return plgpu.load(ref, layout=layout, optimized=optimized)
+  except TypeError:  # jax < 0.11: `idx` is positional and required.
+    return plgpu.load(ref, None, layout=layout, optimized=optimized)
+
+
+def _promote_scaled(total, accs, add_scaled, release=()):
+  """add_scaled(total, j-th wgmma result, j) for each wgmma, waiting for one
+  at a time; arrives on the `release` barriers once all wgmmas are done,
+  before the last add."""
+  for j, acc in enumerate(accs):
+    part = plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - j)
+    if j == len(accs) - 1:
+      for barrier in release:
+        plgpu.barrier_arrive(barrier)
+    total = add_scaled(total, part, j)
+  return total
+
+
+def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
+            cfg: Config, b_granularity: str, bs_k_first: bool,
+            as_from_gmem: bool, m_iters: int, n_iters: int, k_iters: int,
+            stages: int):
+  """Kernel body. GMEM: a (Mp, Kp), b (Np, Kp) FP8; as (Kp / 128,
+  M' / wg_m, wg_m) f32 (a_scale transposed); bs (n_iters, Kp / 128) f32 for
+  'block' ((Kp / 128, n_iters) if bs_k_first), (Kp / 128, N') for 'row';
+  out (Mp, Np). out_smem: the epilogue's buffer. Scale rows past M' and
+  columns past N' are read by TMA as zeros or as other scales (their
+  outputs are clipped or sliced off)."""
+  wg_m = cfg.wg_m
+  blocks = cfg.split_k  # 128-K blocks (and wgmma partials) per step
+  rows_b = b_granularity == 'row'
+  overlap = mosaic_gpu.overlaps_tiles(cfg, k_iters, stages)
+
+  def scale_specs(mi, ni):
+    """The scales' BlockSpecs for output tile (mi, ni), over the whole
+    arrays: a block that reaches past an array's end is then no provably
+    in-bounds block, and TMA fills the outside with zeros (a block of a
+    sliced ref would be copied whole, past the end)."""
+    specs = [] if as_from_gmem else [plgpu.BlockSpec(
+        (blocks, cfg.compute_wgs, wg_m), lambda k: (k, mi, 0),
+        memory_space=plgpu.SMEM)]
+    if rows_b:
+      specs.append(plgpu.BlockSpec(
+          (blocks, cfg.block_n), lambda k: (k, ni), memory_space=plgpu.SMEM))
+    return specs
+  num_inputs = 2 + (not as_from_gmem) + rows_b
+  make_pipeline = lambda body, context, state=None, mi=0, ni=0: (
+      mosaic_gpu._pipeline(  # pylint: disable=protected-access
+          body, context, cfg=cfg, grid=(k_iters,), a_index=lambda k: (0, k),
+          b_index=lambda k: (0, k), a_dtype=a_gmem.dtype,
+          b_dtype=b_gmem.dtype, stages=stages,
+          manual_release=cfg.early_release, state=state,
+          extra_specs=scale_specs(mi, ni)))
+  ignore = lambda *_, **__: None
+  gmem_scales = ((() if as_from_gmem else (as_gmem,))
+                 + ((bs_gmem,) if rows_b else ()))
+  # The last (wg_m,) row of a scales: rows past it are read from it instead
+  # (their A rows are zero, their outputs clipped or sliced off).
+  last_as_row = as_gmem.shape[1] - 1
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
+  cols_layout = plgpu.Layout.WGMMA.reduce(0)
+  # The FP32 sum is a tuple of (wg_m, chunk) column chunks, the epilogue's
+  # store chunks: 'row' scales are then loaded a chunk at a time, next to
+  # their adds, rather than all block_n of them held in registers at once
+  # beside the sum and the partial (jax 0.10 cannot concatenate fragments).
+  chunk = out_smem.shape[-1]
+  chunks = [slice(c, c + chunk) for c in range(0, cfg.block_n, chunk)]
+  bcast = lambda v, dim: lax.broadcast_in_dim(v, (wg_m, chunk), (dim,))
+  zeros = lambda: tuple(
+      plgpu.layout_cast(jnp.zeros((wg_m, chunk), jnp.float32),
+                        plgpu.Layout.WGMMA) for _ in chunks)
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=make_pipeline(ignore, ignore).get_allocations(
+          a_gmem, b_gmem, *gmem_scales),
+      tile_start=(plgpu.Barrier(num_arrivals=cfg.compute_wgs) if overlap
+                  else None),
+      collective_axes='wg',
+  )
+  def _scope(allocs, tile_start):
+    wg = lax.axis_index('wg')
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes='sm')
+    def _tile_loop(info):
+      (lin,) = info.index
+      mi, ni = plgpu.planar_snake(
+          lin, (m_iters, n_iters), 0 if cfg.grid_minor_m else 1,
+          cfg.grid_tile_width)
+      m_sl = pl.ds(mi * cfg.block_m, cfg.block_m)
+      n_sl = pl.ds(ni * cfg.block_n, cfg.block_n)
+      wg_sl = pl.ds(wg * wg_m, wg_m)
+
+      def body(idx, *args):
+        (k,) = idx
+        smems, release, carry = (args[:num_inputs], args[num_inputs:-1],
+                                 args[-1])
+        a_smem, b_smem = smems[:2]
+        cols_smem = smems[-1] if rows_b else None
+        # A and B go back to TMA as soon as their wgmmas are done; the
+        # scales once read (the adds may then interleave with their loads).
+        ab_release, scale_release = release[:2], release[2:]
+
+        def step(*accs):
+          if not rows_b:  # GMEM scalars, issued before the wgmmas.
+            b_s = [bs_gmem[k * blocks + j, ni] if bs_k_first else
+                   bs_gmem[ni, k * blocks + j] for j in range(blocks)]
+          if as_from_gmem:  # likewise
+            row = jnp.minimum(mi * cfg.compute_wgs + wg, last_as_row)
+            a_s = [_load(as_gmem.at[k * blocks + j, row], rows_layout,
+                         optimized=False) for j in range(blocks)]
+          mosaic_gpu._issue_wgmmas(accs, a_smem, b_smem, wg_sl)  # pylint: disable=protected-access
+          if not as_from_gmem:
+            a_s = [_load(smems[2].at[j, wg], rows_layout)
+                   for j in range(blocks)]
+
+          def add_scaled(total, part, j):
+            if rows_b:
+              a_j = bcast(a_s[j], 0)
+              return tuple(
+                  t + part[:, cs] * bcast(_load(cols_smem.at[j, cs],
+                                                cols_layout), 1) * a_j
+                  for t, cs in zip(total, chunks))
+            s = bcast(a_s[j] * b_s[j], 0)
+            return tuple(t + part[:, cs] * s for t, cs in zip(total, chunks))
+
+          total = _promote_scaled(carry, accs, add_scaled, ab_release)
+          for barrier in scale_release:
+            plgpu.barrier_arrive(barrier)
+          return total
+        return pl.run_scoped(
+            step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] *
+            cfg.split_k)
+
+      def context(run_pipeline):
+        if overlap:
+          mosaic_gpu._line_up(tile_start)  # pylint: disable=protected-access
+        total = run_pipeline(zeros())
+        out_tile = out_gmem.at[pl.ds(mi * cfg.block_m + wg * wg_m, wg_m),
+                               n_sl]
+        for t, cs in zip(total, chunks):
+          mosaic_gpu._store_tile(t, None, out_tile.at[:, cs], out_smem, wg)  # pylint: disable=protected-access
+
+      def run(state=None):
+        make_pipeline(body, context, state, mi, ni)(
+            a_gmem.at[m_sl, :], b_gmem.at[n_sl, :], *gmem_scales,
+            allocations=allocs)
+
+      if overlap:  # As mosaic_gpu._kernel: START, then STEADY pipelines.
+        states = plgpu.PipelinePipeline
+        lax.cond(info.local_index == 0, lambda: run(states.START),
+                 lambda: run(states.STEADY))
+      else:
+        run()
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def fp8_matmul_block_scaled_mosaic(
+    a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
+    b_granularity: str | None = None, out_dtype=jnp.bfloat16,
+    config: Config | None = None, a_scale_transposed: bool = False,
+    b_scale_transposed: bool = False) -> jax.Array:
+  """Block-scaled (a @ b.T) on Hopper with Pallas Mosaic GPU.
+
+  Args:
+    a: (M, K) float8_e4m3fn or float8_e5m2, M a multiple of 16, K of 128.
+    b: (N, K) float8 (K-major, like a), N a multiple of 16. E5M2 x E5M2 is
+      rejected.
+    a_scale: (M, K // 128) float32, the scale of a[m, 128 kb : 128 (kb + 1)];
+      (K // 128, M) if a_scale_transposed.
+    b_scale: float32, (cdiv(N, 128), K // 128) for b_granularity='block'
+      (the scale of the 128x128 block b[128 nb :, 128 kb :]), or
+      (N, K // 128) for 'row' (the scale of b[n, 128 kb : 128 (kb + 1)]);
+      (K // 128, cdiv(N, 128)) or (K // 128, N) if b_scale_transposed.
+    b_granularity: 'block' or 'row' (static); None: read from b_scale's
+      shape (N scale rows: 'row', cdiv(N, 128): 'block').
+    out_dtype: bfloat16 or float32.
+    config: tiling; `select_config(M, N, b_granularity)` when None (see
+      `validate_config`).
+    a_scale_transposed, b_scale_transposed: the scales come K-block first,
+      the layout the kernel reads: no transpose runs per call (when M is a
+      multiple of 64 and K // 128 of the config's split_k, nothing at all
+      runs besides the kernel). A quantizer can write this layout directly;
+      the 'block' scales of W serve W^T (dgrad) transposed this way.
+
+  Returns:
+    (M, N) out_dtype: sum over kb of each 128-K partial sum (FP32, exact
+    products, promoted every 128 of K) times a_scale[m, kb] times b's scale.
+  """
+  if plgpu is None:
+    raise RuntimeError('jax.experimental.pallas.mosaic_gpu is unavailable.')
+  if b_granularity is None:
+    b_granularity = _granularity_of(b, b_scale, b_scale_transposed)
+  m, n, k = _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype,
+                        a_scale_transposed, b_scale_transposed)
+  cfg = config or select_config(m, n, b_granularity=b_granularity)
+  validate_config(cfg, b_granularity)
+  if b_granularity == 'block' and not BLOCK_SCALES_AS_SCALARS[0]:
+    if b_scale_transposed:
+      b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=1)[:, :n]
+    else:
+      b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=0)[:n]
+    b_granularity = 'row'
+  return _call_kernel(a, b, a_scale, b_scale, b_granularity,
+                      jnp.dtype(out_dtype), cfg, m, n, k,
+                      a_scale_transposed, b_scale_transposed)
+
+
+def _granularity_of(b, b_scale, transposed):
+  """'row' or 'block' from b_scale's shape, or a ValueError."""
+  n = getattr(b, 'shape', (0,))[0]
+  shape = getattr(b_scale, 'shape', ())
+  rows = shape[1 if transposed else 0] if len(shape) == 2 else None
+  if rows == n:
+    return 'row'
+  if rows == pl.cdiv(n, SCALE_BLOCK):
+    return 'block'
+  raise ValueError(
+      f'b_scale has shape {shape}: with b_granularity=None it needs N = {n}'
+      f' (\'row\') or cdiv(N, 128) = {pl.cdiv(n, SCALE_BLOCK)} (\'block\')'
+      f' scale {"columns" if transposed else "rows"}.')
+
+
+def scale_shapes(m: int, n: int, k: int, b_granularity: str, *,
+                 a_scale_transposed: bool = False,
+                 b_scale_transposed: bool = False):
+  """(a_scale shape, b_scale shape) for an (M, K) x (N, K) product."""
+  kb = k // SCALE_BLOCK
+  nb = n if b_granularity == 'row' else pl.cdiv(n, SCALE_BLOCK)
+  a_shape = (kb, m) if a_scale_transposed else (m, kb)
+  b_shape = (kb, nb) if b_scale_transposed else (nb, kb)
+  return a_shape, b_shape
+
+
+def _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype,
+                a_scale_transposed=False, b_scale_transposed=False):
+  """Validates the arguments; returns (M, N, K)."""
+  if b_granularity not in GRANULARITIES:
+    raise ValueError(f'b_granularity must be \'block\' or \'row\', got'
+                     f' {b_granularity!r}.')
+  for name, x in (('a', a), ('b', b)):
+    if getattr(x, 'ndim', None) != 2:
+      raise ValueError(f'{name} must be 2-D, got shape'
+                       f' {getattr(x, "shape", None)}.')
+  if (jnp.dtype(a.dtype), jnp.dtype(b.dtype)) not in _DTYPE_PAIRS:
+    raise ValueError(
+        f'a, b dtypes {a.dtype}, {b.dtype}: need float8_e4m3fn x'
+        ' float8_e4m3fn, float8_e5m2 x float8_e4m3fn or float8_e4m3fn x'
+        ' float8_e5m2.')
+  (m, k), (n, k2) = a.shape, b.shape
+  if k != k2:
+    raise ValueError(f'a {a.shape} and b {b.shape} must have the same K.')
+  if k % SCALE_BLOCK or m % 16 or n % 16:
+    raise ValueError(
+        f'a {a.shape}, b {b.shape}: need K a multiple of 128 and M, N'
+        ' multiples of 16 (pad the operands and their scales).')
+  wants = scale_shapes(m, n, k, b_granularity,
+                       a_scale_transposed=a_scale_transposed,
+                       b_scale_transposed=b_scale_transposed)
+  for name, s, want, flag in (
+      ('a_scale', a_scale, wants[0], a_scale_transposed),
+      ('b_scale', b_scale, wants[1], b_scale_transposed)):
+    if getattr(s, 'shape', None) != want:
+      raise ValueError(
+          f'{name} has shape {getattr(s, "shape", None)}; need {want} for a'
+          f' {a.shape}, b {b.shape}, b_granularity={b_granularity!r} and'
+          f' {name}_transposed={flag}.')
+    if jnp.dtype(s.dtype) != jnp.float32:
+      raise ValueError(f'{name} must be float32, got {s.dtype}.')
+  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+    raise ValueError(f'out_dtype must be bfloat16 or float32, got'
+                     f' {out_dtype}.')
+  return m, n, k
+
+
+def _pad_to(x, shape):
+  """x zero-padded at the end of each dim to `shape` (x itself if equal)."""
+  if x.shape == tuple(shape):
+    return x
+  return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
+
+
+def scale_layout(a_scale, b_scale, b_granularity: str, cfg: Config,
+                 n_iters: int | None = None, *,
+                 a_scale_transposed: bool = False,
+                 b_scale_transposed: bool = False):
+  """The scales as the kernel reads them, for a K padded to whole
+  `cfg.block_k`:
+
+  a_s: (Kp / 128, M' / wg_m, wg_m), a_s[kb, i, r] = a_scale[i * wg_m + r, kb]
+    (one TMA block of (split_k, compute_wgs, wg_m) per K step and M tile).
+    From (M, K / 128) scales, M' is M padded to whole tiles. From transposed
+    ones it is M when M is a multiple of wg_m (a reshape: free), else
+    padded; the last tile's block then reaches past M'.
+  b_s: 'row': (Kp / 128, N') with b_s[kb, n] = b_scale[n, kb], N' = whole
+    tiles (N itself from transposed scales). 'block': (n_iters, Kp / 128),
+    or (Kp / 128, n_iters) from transposed scales (read as GMEM scalars, so
+    never past their end).
+  Zeros pad K (the padded K of a and b is zero too: 0 * 0, no NaN).
+  n_iters: N tiles (default: cdiv(N, block_n)).
+  """
+  if a_scale_transposed:
+    kb, m = a_scale.shape
+  else:
+    m, kb = a_scale.shape
+  kbp = mosaic_gpu._round_up(kb * SCALE_BLOCK, cfg.block_k) // SCALE_BLOCK  # pylint: disable=protected-access
+  if a_scale_transposed:
+    mw = m if m % cfg.wg_m == 0 else mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
+    a_s = _pad_to(a_scale, (kbp, mw))
+  else:
+    mw = mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
+    a_s = _pad_to(a_scale.T, (kbp, mw))
+  a_s = a_s.reshape(kbp, mw // cfg.wg_m, cfg.wg_m)
+  if b_granularity == 'row':
+    if b_scale_transposed:
+      b_s = _pad_to(b_scale, (kbp, b_scale.shape[1]))
+    else:
+      n = b_scale.shape[0]
+      n_iters = n_iters or pl.cdiv(n, cfg.block_n)
+      b_s = _pad_to(b_scale.T, (kbp, n_iters * cfg.block_n))
+  else:
+    nb = b_scale.shape[1 if b_scale_transposed else 0]
+    n_iters = n_iters or nb
+    b_s = (_pad_to(b_scale, (kbp, n_iters)) if b_scale_transposed else
+           _pad_to(b_scale, (n_iters, kbp)))
+  return a_s, b_s
+
+
+def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
+                 k, a_scale_transposed=False, b_scale_transposed=False):
+  """Pads to whole tiles, lays the scales out for TMA, runs the kernel."""
+  rows_b = b_granularity == 'row'
+  if m < cfg.block_m or n < cfg.block_n:
+    # Operands smaller than one tile are padded to it: unpadded, a 16 x 16
+    # output with THREE_WG_CONFIG came back all zeros on the H200 (the only
+    # shape whose output and B were narrower than one TMA tile of each).
+    cfg = dataclasses.replace(cfg, pad_mn=True)
+  chunk = ROW_CHUNK_COLS[0] if rows_b else None
+  if chunk and (cfg.block_n % chunk or chunk % 8
+                or (chunk * out_dtype.itemsize) % 32):
+    raise ValueError(f'ROW_CHUNK_COLS={chunk}: need a multiple of 8 that'
+                     f' divides block_n={cfg.block_n} and spans a multiple'
+                     ' of 32 bytes of output.')
+  blocks = cfg.split_k
+  as_from_gmem = A_SCALES_FROM_GMEM[0]
+  # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32.
+  scale_bytes = blocks * 4 * ((0 if as_from_gmem else cfg.block_m)
+                              + (cfg.block_n if rows_b else 0))
+  stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
+      cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes,
+      out_cols=chunk)
+  out_smem = plgpu.SMEM((cfg.compute_wgs, cfg.wg_m, epi_n), out_dtype,
+                        transforms=mosaic_gpu._transforms(out_dtype, epi_n))  # pylint: disable=protected-access
+  if cfg.pad_mn:
+    mp = mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
+    np_ = mosaic_gpu._round_up(n, cfg.block_n)  # pylint: disable=protected-access
+  else:  # TMA stores need N to be whole columns of the output's SMEM tiling.
+    mp = m
+    np_ = mosaic_gpu._round_up(n, out_smem.transforms[0].tiling[1])  # pylint: disable=protected-access
+  kp = mosaic_gpu._round_up(k, cfg.block_k)  # pylint: disable=protected-access
+  if (mp, kp) != (m, k):
+    a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
+  if (np_, kp) != (n, k):
+    b = jnp.pad(b, ((0, np_ - n), (0, kp - k)))
+  m_iters = pl.cdiv(mp, cfg.block_m)
+  n_iters = pl.cdiv(np_, cfg.block_n)
+  k_iters = kp // cfg.block_k
+  a_s, b_s = scale_layout(a_scale, b_scale, b_granularity, cfg, n_iters,
+                          a_scale_transposed=a_scale_transposed,
+                          b_scale_transposed=b_scale_transposed)
+  f = plgpu.kernel(
+      functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
+                        bs_k_first=b_scale_transposed and not rows_b,
+                        as_from_gmem=as_from_gmem,
+                        m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
+                        stages=stages),
+      out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+      scratch_types=[out_smem],
+      grid=(mosaic_gpu._num_sms(),),  # pylint: disable=protected-access
+      grid_names=('sm',),
+      num_threads=cfg.compute_wgs + 1,
+      thread_name='wg',
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=mosaic_gpu.LOWERING_SEMANTICS[0]),
+  )
+  out = f(a, b, a_s, b_s)
+  return out[:m, :n] if (mp, np_) != (m, n) else out
