@@ -11,6 +11,7 @@ import types
 import typing
 from typing import Any
 
+from coat_jax.models import remat as remat_lib
 from coat_jax.nn.precision import PRECISIONS
 
 
@@ -29,6 +30,9 @@ class ModelConfig:
   max_seq_len: int | None = None
   tie_embeddings: bool | None = None
   scan_layers: bool | None = None
+  # What each decoder layer keeps for backward: 'none', 'minimal',
+  # 'minimal_offloaded' (GPU) or 'full' (see coat_jax.models.remat).
+  remat: str = remat_lib.DEFAULT
 
 
 @dataclasses.dataclass
@@ -220,6 +224,7 @@ def validate(config: Config, num_devices: int) -> None:
                          f' expected {hints[f.name]}.')
   m, o, d, t = config.model, config.optim, config.data, config.train
   _one_of('model.precision', m.precision, PRECISIONS)
+  remat_lib.check_policy(m.remat, 'model.remat')
   _one_of('optim.name', o.name, ('coat_adamw', 'adamw'))
   _one_of('data.source', d.source, ('stdlib', 'text', 'tokens'))
   _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))

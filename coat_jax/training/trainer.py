@@ -18,8 +18,10 @@ import tqdm
 
 from coat_jax import optim
 from coat_jax.models import llama
+from coat_jax.models import remat as remat_lib
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
+from coat_jax.training import memory
 from coat_jax.training import sharding
 from coat_jax.training.checkpoints import Checkpointer
 
@@ -99,6 +101,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   """Builds the mesh, model, optimizer and jitted steps for `config`."""
   devices = jax.devices() if devices is None else devices
   config_lib.validate(config, len(devices))
+  remat_lib.jax_policy(config.model.remat)  # offloading needs a GPU
   mesh = sharding.make_mesh(
       config_lib.mesh_shape(config.mesh, len(devices)), devices)
   model_cfg = llama_config(config.model)
@@ -239,10 +242,17 @@ def train(config: config_lib.Config, devices=None) -> dict:
   """
   setup = build(config, devices)
   t = config.train
+  lead = jax.process_index() == 0
+  # Compiled ahead of time (the jitted step reuses this compilation): the
+  # memory it needs is known before any allocation, and a run that cannot
+  # fit stops here with its options.
+  mem = memory.breakdown(setup, memory.compile_train_step(setup))
+  if lead:
+    print(mem.format(), flush=True)
+  memory.check_fits(mem, config)
   dataset = data_lib.load_dataset(config.data,
                                   llama_config(config.model).vocab_size)
   os.makedirs(t.run_dir, exist_ok=True)
-  lead = jax.process_index() == 0
   if lead:
     with open(os.path.join(t.run_dir, 'config.json'), 'w') as f:
       json.dump(config_lib.to_dict(config), f, indent=2)
@@ -328,7 +338,8 @@ def train(config: config_lib.Config, devices=None) -> dict:
   summary.update(
       step=int(state['step']), nonfinite_steps=int(state['nonfinite']),
       train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
-      peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir))
+      peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir),
+      memory=dataclasses.asdict(mem))
   return summary
 
 
