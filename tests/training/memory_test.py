@@ -57,18 +57,29 @@ def test_a_run_that_does_not_fit_is_refused_before_training(
   assert not os.path.exists(config.train.run_dir)  # nothing was started
 
 
-def test_find_max_batch_is_the_largest_that_fits(tiny_config):
-  config = tiny_config(model={'remat': 'full'})
-  at = lambda b: memory.estimate(
-      tiny_config(model={'remat': 'full'}, train={'batch_size': b}), ONE)
-  # A limit between the totals of batches 2 and 3 (they differ).
-  two, three = at(2).total, at(3).total
-  assert two < three
-  assert memory.find_max_batch(config, (two + three) // 2, ONE) == 2
-  assert memory.find_max_batch(config, 1000, ONE) == 0  # nothing fits
-  # On 8 devices with 2 microbatches the batch steps by 16.
+def test_find_max_batch_searches_multiples_of_the_unit(monkeypatch):
+  """The search itself, on a stand-in estimate (total = 1000 x batch): the
+  compiled path is tested from the command line below."""
+  compiled = []
+
+  def fake_estimate(config, devices, limit):
+    compiled.append(config.train.batch_size)
+    return memory.MemoryBreakdown(0, 0, 0, 0, 1000 * config.train.batch_size,
+                                  limit)
+
+  monkeypatch.setattr(memory, 'estimate', fake_estimate)
+  config = training.Config()
   config.train.microbatches = 2
+  devices = jax.devices()  # 8: the batch steps by 2 x 8 = 16
   assert memory.batch_unit(config, 8) == 16
+  for limit, expected in ((15_999, 0), (16_000, 16), (47_999, 32),
+                          (48_000, 48), (1_000_000, 992)):
+    compiled.clear()
+    assert memory.find_max_batch(config, limit, devices) == expected, limit
+    assert all(b % 16 == 0 for b in compiled)
+    assert len(compiled) <= 2 * math.log2(max(expected, 16) / 16) + 2
+  assert memory.find_max_batch(config, 10**9, devices, max_batch=100) == 96
+  assert config.train.batch_size == 16  # the config given is not changed
 
 
 @pytest.fixture
