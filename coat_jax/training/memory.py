@@ -78,8 +78,8 @@ def _per_device_bytes(abstract, shardings) -> int:
 
 
 def compile_train_step(setup: Any):
-  """`setup.train_step` (a `trainer.Setup`) compiled for abstract state and
-  batches: nothing is initialized or transferred."""
+  """The train step of `setup` (a `trainer.Setup`) compiled for abstract
+  state and batches: nothing is initialized or transferred."""
   c = setup.config
   batch = jax.ShapeDtypeStruct(
       (c.train.batch_size, c.data.seq_len), jnp.int32,
@@ -88,7 +88,7 @@ def compile_train_step(setup: Any):
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       setup.abstract_state, setup.state_shardings)
   with jax.set_mesh(setup.mesh):
-    return setup.train_step.lower(state, batch, batch).compile()
+    return setup.lower_train_step(state, batch, batch).compile()
 
 
 def breakdown(setup: Any, compiled,

@@ -95,6 +95,9 @@ class Setup:
   init_state: Any  # () -> state, placed with the state shardings.
   train_step: Any
   eval_step: Any
+  # train_step's `.lower` (for ahead-of-time compiles; kept apart so that
+  # wrapping train_step leaves it usable).
+  lower_train_step: Any = None
 
 
 def build(config: config_lib.Config, devices=None) -> Setup:
@@ -194,6 +197,10 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   def eval_step(params, inputs, targets):
     return loss_fn(params, inputs, targets)
 
+  train_step = jax.jit(
+      train_step, in_shardings=(state_shardings, batch_sharding,
+                                batch_sharding),
+      out_shardings=(state_shardings, replicated), donate_argnums=0)
   return Setup(
       config=config, mesh=mesh, graphdef=graphdef, tx=tx,
       state_shardings=state_shardings, abstract_state=abstract_state,
@@ -202,14 +209,12 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       init_state=lambda: jax.jit(
           new_state, out_shardings=state_shardings, donate_argnums=0)(
               jax.device_put(model_params(), state_shardings['params'])),
-      train_step=jax.jit(
-          train_step, in_shardings=(state_shardings, batch_sharding,
-                                    batch_sharding),
-          out_shardings=(state_shardings, replicated), donate_argnums=0),
+      train_step=train_step,
       eval_step=jax.jit(
           eval_step, in_shardings=(state_shardings['params'], batch_sharding,
                                    batch_sharding),
           out_shardings=replicated),
+      lower_train_step=train_step.lower,
   )
 
 

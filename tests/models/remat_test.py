@@ -30,6 +30,8 @@ def _layer_residuals(cfg, precision, policy, batch=2, seq=32):
   return cnn.activation_residuals(fn, (state, x(batch)), (state, x(2 * batch)))
 
 
+@pytest.mark.skipif(jax.default_backend() == 'gpu',
+                    reason="counts XLA attention's residuals (cuDNN's differ)")
 @pytest.mark.parametrize('precision', MODES)
 def test_policies_keep_what_they_promise(precision):
   cfg = cm.LlamaConfig.preset('tiny')

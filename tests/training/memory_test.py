@@ -147,7 +147,9 @@ def test_train_step_compiles_with_every_policy(tiny_config, precision):
     config = tiny_config(model={'precision': precision, 'remat': name})
     peaks[name] = memory.estimate(config, ONE).activations
   print(precision, {k: v / 2**20 for k, v in peaks.items()})
-  assert set(peaks) == set(remat.POLICIES) - {'minimal_offloaded'}
+  offload = jax.default_backend() == 'gpu'
+  assert set(peaks) == set(remat.POLICIES) - (
+      set() if offload else {'minimal_offloaded'})
   assert 0 < peaks['full'] < peaks['minimal'] < peaks['none']
   if precision == 'coat':  # activations grow with the batch
     config = tiny_config(model={'precision': precision, 'remat': 'none'},

@@ -256,7 +256,6 @@ def _poison_call(n):
         inputs = inputs.at[0, 0].set(10**6)
       return step(state, inputs, targets)
 
-    poisoned.lower = step.lower  # train() compiles it ahead of time
     setup.train_step = poisoned
     return setup
 
