@@ -3,12 +3,23 @@
   python train.py
   python train.py --config configs/llama_1b.py --set model.precision=bf16 \
       train.batch_size=16
+  python train.py --config configs/llama2_7b.py --estimate
+  python train.py --config configs/llama2_7b.py --find-max-batch
+
+On GPU, XLA may use MEM_FRACTION of each device unless
+XLA_PYTHON_CLIENT_MEM_FRACTION is set (XLA's own default is 0.75).
 """
 
 import argparse
 import os
 import shlex
 import sys
+
+# What train.py lets XLA preallocate when XLA_PYTHON_CLIENT_MEM_FRACTION is
+# not set (XLA's default, 0.75, leaves a quarter of an H200 unused; the
+# rest is left to the CUDA context, cuDNN and cuBLAS workspaces).
+MEM_FRACTION = '0.95'
+MEM_FRACTION_ENV = 'XLA_PYTHON_CLIENT_MEM_FRACTION'
 
 
 def _maybe_initialize_distributed() -> None:
@@ -34,14 +45,43 @@ def main(argv=None) -> int:
                       ' embedded tiny run)')
   parser.add_argument('--set', nargs='+', default=[], action='extend',
                       metavar='SECTION.FIELD=VALUE', help='override fields')
+  parser.add_argument('--estimate', action='store_true',
+                      help='compile the train step ahead of time, print how'
+                      ' device memory divides, and exit without training')
+  parser.add_argument('--find-max-batch', action='store_true',
+                      help='find the largest train.batch_size that fits, per'
+                      ' remat policy (by compiling), and exit')
+  parser.add_argument('--policies', default=None, metavar='P1,P2',
+                      help='the remat policies --find-max-batch tries'
+                      ' (default: all this backend can run)')
+  parser.add_argument('--memory-limit-gib', type=float, default=None,
+                      metavar='GIB', help="the device memory to plan for"
+                      " (default: the device's limit; needed on CPU)")
   args = parser.parse_args(argv)
+  # Before jax is imported: it reads the fraction when it starts.
+  fraction_given = MEM_FRACTION_ENV in os.environ
+  os.environ.setdefault(MEM_FRACTION_ENV, MEM_FRACTION)
   _maybe_initialize_distributed()
 
   from coat_jax import training  # noqa: PLC0415 (after distributed init)
+  from coat_jax.training import memory  # noqa: PLC0415
 
+  limit = (None if args.memory_limit_gib is None
+           else int(args.memory_limit_gib * memory.GIB))
   try:
+    if args.memory_limit_gib is not None and args.memory_limit_gib <= 0:
+      raise ValueError(f'--memory-limit-gib {args.memory_limit_gib} must be'
+                       ' positive.')
     config = training.apply_overrides(training.load_config(args.config),
                                       args.set)
+    print(f'{MEM_FRACTION_ENV}={os.environ[MEM_FRACTION_ENV]} ('
+          + ('yours' if fraction_given else "train.py's default; set it to"
+             ' change') + '): the share of each GPU that XLA may use.',
+          flush=True)
+    if args.estimate:
+      return _estimate(config, limit)
+    if args.find_max_batch:
+      return _find_max_batch(config, limit, args.policies)
     summary = training.train(config)
   except (ValueError, TypeError, FileNotFoundError, ImportError,
           training.NonFiniteError) as e:
@@ -83,6 +123,46 @@ def _complete_message(summary: dict, argv) -> str:
                                  ' metrics.jsonl') + '\n'
           f'  to train further, raise train.steps (the cosine schedule is'
           f' recomputed for the new length): {command}')
+
+
+def _estimate(config, limit) -> int:
+  from coat_jax.training import memory  # noqa: PLC0415
+
+  mem = memory.estimate(config, limit=limit)
+  print(mem.format())
+  memory.check_fits(mem, config)  # a ValueError names the options
+  return 0
+
+
+def _find_max_batch(config, limit, policies) -> int:
+  from coat_jax.models import remat  # noqa: PLC0415
+  from coat_jax.training import memory  # noqa: PLC0415
+
+  limit = memory.device_limit() if limit is None else limit
+  if limit is None:
+    raise ValueError('--find-max-batch needs the device memory: this device'
+                     ' reports none (CPU); pass --memory-limit-gib.')
+  names = (memory.usable_policies() if policies is None
+           else tuple(p for p in policies.split(',') if p))
+  for name in names:
+    remat.check_policy(name, '--policies')
+  print(f'largest train.batch_size within {limit / memory.GIB:.2f} GiB per'
+        f' device (seq_len {config.data.seq_len}, model.precision='
+        f'{config.model.precision}):')
+  for name in names:
+    config.model.remat = name
+    batch = memory.find_max_batch(config, limit)
+    print(f'  model.remat={name}: '
+          + (f'train.batch_size={batch}' if batch else 'does not fit at the'
+             f' smallest batch ({memory.batch_unit(config, _num_devices())})'),
+          flush=True)
+  return 0
+
+
+def _num_devices() -> int:
+  import jax  # noqa: PLC0415
+
+  return jax.device_count()
 
 
 if __name__ == '__main__':

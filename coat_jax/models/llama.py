@@ -14,6 +14,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from coat_jax.models import remat as remat_lib
 from coat_jax.models.loss import chunked_cross_entropy
 from coat_jax.nn import linear
 from coat_jax.nn import partitioning
@@ -82,6 +83,10 @@ class LlamaConfig:
     scan_layers: run the stacked decoder layers under `nnx.scan` (compile
       time independent of depth) rather than unrolled (XLA may fuse and
       schedule across layers).
+    remat: the layer stack's remat policy, one of `remat.POLICIES`
+      ('none', 'minimal', 'minimal_offloaded', 'full'; see
+      `coat_jax.models.remat` for what each keeps), for scanned and unrolled
+      layers alike.
   """
 
   vocab_size: int = 32000
@@ -97,6 +102,7 @@ class LlamaConfig:
   tie_embeddings: bool = False
   init_std: float = 0.02
   scan_layers: bool = True
+  remat: str = remat_lib.DEFAULT
 
   def __post_init__(self):
     for name in ('vocab_size', 'hidden_size', 'intermediate_size',
@@ -114,6 +120,7 @@ class LlamaConfig:
           f' num_kv_heads={self.num_kv_heads} (grouped-query attention).')
     if self.head_dim % 2:
       raise ValueError(f'head_dim={self.head_dim} must be even for RoPE.')
+    remat_lib.check_policy(self.remat)
 
   @property
   def head_dim(self) -> int:
@@ -223,12 +230,16 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """(B, S, H) -> (B, S, H); cos/sin (S, head_dim // 2)."""
     b, s, _ = x.shape
-    q, k, v = linear.fanout(x, [self.q_proj, self.k_proj, self.v_proj])
+    q, k, v = remat_lib.name(
+        linear.fanout(x, [self.q_proj, self.k_proj, self.v_proj]),
+        remat_lib.QKV_PROJ)
     q = apply_rope(q.reshape(b, s, self.num_heads, self.head_dim), cos, sin)
     k = apply_rope(k.reshape(b, s, self.num_kv_heads, self.head_dim), cos, sin)
     v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
-    o = causal_attention(q, k, v)
-    return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
+    o = remat_lib.name(causal_attention(q, k, v), remat_lib.ATTENTION)
+    return remat_lib.name(
+        self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim)),
+        remat_lib.OUT_PROJ)
 
 
 class DecoderLayer(nnx.Module):
@@ -331,16 +342,19 @@ class Llama(nnx.Module):
     cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta,
                            self.config.rope_scaling)
 
-    if self.config.scan_layers:
+    scan = self.config.scan_layers
+    apply_layer = remat_lib.apply(
+        lambda layer, x: layer(x, cos, sin), self.config.remat, in_scan=scan)
+    if scan:
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
       def run_layers(x, layer):
-        return layer(x, cos, sin)
+        return apply_layer(layer, x)
 
       return self.norm(run_layers(x, self.layers))
     graphdef, stacked = nnx.split(self.layers)
     for i in range(self.config.num_layers):
       layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
-      x = layer(x, cos, sin)
+      x = apply_layer(layer, x)
     return self.norm(x)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:

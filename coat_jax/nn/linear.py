@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
+from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.quant import quantize_per_tensor
 from pallas_kernels.quantize_blockwise import api as block_quant
 from pallas_kernels.quantize_per_tensor import api as tensor_quant
@@ -63,7 +64,7 @@ def _fp8_dense_fwd(x, kernels, implementation):
         x_values, wq.values.T, x_scale, wq.scale, out_dtype=x.dtype,
         implementation=implementation))
   # Saved: x^T (K, M), the K-major operand of wgrad (as many bytes as x).
-  return tuple(outs), (x_t, x_scale, kernels)
+  return tuple(outs), (name_fp8_residuals((x_t, x_scale)) + (kernels,))
 
 
 def _fp8_dense_bwd(implementation, residuals, grads):

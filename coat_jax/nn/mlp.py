@@ -10,12 +10,17 @@ from typing import Any
 
 from flax import nnx
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from coat_jax.nn import linear
 from coat_jax.nn import precision as precision_lib
+from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.quant import dequantize
 from coat_jax.quant import quantize_per_group
+
+# checkpoint_name of the gate and up projections' outputs (remat policies).
+GATE_UP = 'mlp_gate_up'
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -36,7 +41,7 @@ def _fp8_swiglu(gate, up):
 def _fp8_swiglu_fwd(gate, up):
   g = gate.astype(jnp.float32)
   h = (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
-  return h, (_quantize_group(gate), _quantize_group(up))
+  return h, name_fp8_residuals((_quantize_group(gate), _quantize_group(up)))
 
 
 def _fp8_swiglu_bwd(residuals, dh):
@@ -123,7 +128,8 @@ class CoatMLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """(..., in_features) -> (..., in_features) in `dtype`."""
-    gate, up = linear.fanout(x, [self.gate_proj, self.up_proj])
+    gate, up = checkpoint_name(
+        linear.fanout(x, [self.gate_proj, self.up_proj]), GATE_UP)
     if precision_lib.uses_fp8_activations(self.precision):
       h = fp8_swiglu(gate, up)
     else:

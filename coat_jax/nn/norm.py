@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
+from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.quant import dequantize
 from coat_jax.quant import quantize_per_group
 
@@ -54,7 +55,7 @@ def _fp8_rms_norm_fwd(x, scale, eps):
   y = (xf * rstd * scale.astype(jnp.float32)).astype(x.dtype)
   xq = quantize_per_group(x, precision_lib.GROUP_SIZE, 'e4m3',
                           scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)
-  return y, (xq, rstd, scale)
+  return y, (name_fp8_residuals((xq, rstd)) + (scale,))
 
 
 def _fp8_rms_norm_bwd(eps, residuals, g):

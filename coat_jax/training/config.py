@@ -11,6 +11,7 @@ import types
 import typing
 from typing import Any
 
+from coat_jax.models import remat as remat_lib
 from coat_jax.nn.precision import PRECISIONS
 from coat_jax.nn.precision import SCALINGS
 
@@ -35,6 +36,9 @@ class ModelConfig:
   # run starts from its weights, its config.json sets the dimensions (the
   # preset is ignored) and data.source=text uses its tokenizer.json.
   init_from: str | None = None
+  # What each decoder layer keeps for backward: 'none', 'minimal',
+  # 'minimal_offloaded' (GPU) or 'full' (see coat_jax.models.remat).
+  remat: str = remat_lib.DEFAULT
 
 
 @dataclasses.dataclass
@@ -234,6 +238,7 @@ def validate(config: Config, num_devices: int) -> None:
   m, o, d, t = config.model, config.optim, config.data, config.train
   _one_of('model.precision', m.precision, PRECISIONS)
   _one_of('model.scaling', m.scaling, SCALINGS)
+  remat_lib.check_policy(m.remat, 'model.remat')
   _one_of('optim.name', o.name, ('coat_adamw', 'adamw'))
   _one_of('data.source', d.source, ('stdlib', 'text', 'tokens'))
   _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))

@@ -19,9 +19,11 @@ import tqdm
 from coat_jax import optim
 from coat_jax.models import hf
 from coat_jax.models import llama
+from coat_jax.models import remat as remat_lib
 from coat_jax.models import sampling
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
+from coat_jax.training import memory
 from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import sharding
 from coat_jax.training import tokenizer as tokenizer_lib
@@ -118,12 +120,16 @@ class Setup:
   init_state: Any  # () -> state, placed with the state shardings.
   train_step: Any
   eval_step: Any
+  # train_step's `.lower` (for ahead-of-time compiles; kept apart so that
+  # wrapping train_step leaves it usable).
+  lower_train_step: Any = None
 
 
 def build(config: config_lib.Config, devices=None) -> Setup:
   """Builds the mesh, model, optimizer and jitted steps for `config`."""
   devices = jax.devices() if devices is None else devices
   config_lib.validate(config, len(devices))
+  remat_lib.jax_policy(config.model.remat)  # offloading needs a GPU
   mesh = sharding.make_mesh(
       config_lib.mesh_shape(config.mesh, len(devices)), devices)
   model_cfg = llama_config(config.model)
@@ -225,6 +231,10 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   def eval_step(params, inputs, targets):
     return loss_fn(params, inputs, targets)
 
+  train_step = jax.jit(
+      train_step, in_shardings=(state_shardings, batch_sharding,
+                                batch_sharding),
+      out_shardings=(state_shardings, replicated), donate_argnums=0)
   return Setup(
       config=config, mesh=mesh, graphdef=graphdef, tx=tx,
       state_shardings=state_shardings, abstract_state=abstract_state,
@@ -233,14 +243,12 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       init_state=lambda: jax.jit(
           new_state, out_shardings=state_shardings, donate_argnums=0)(
               first_params()),
-      train_step=jax.jit(
-          train_step, in_shardings=(state_shardings, batch_sharding,
-                                    batch_sharding),
-          out_shardings=(state_shardings, replicated), donate_argnums=0),
+      train_step=train_step,
       eval_step=jax.jit(
           eval_step, in_shardings=(state_shardings['params'], batch_sharding,
                                    batch_sharding),
           out_shardings=replicated),
+      lower_train_step=train_step.lower,
   )
 
 
@@ -291,6 +299,13 @@ def train(config: config_lib.Config, devices=None) -> dict:
   log = metrics_lib.MetricsLog(t.run_dir, write=lead,
                                tensorboard=t.tensorboard)
   setup = build(config, devices)
+  # Compiled ahead of time (the jitted step reuses this compilation): the
+  # memory it needs is known before any allocation, and a run that cannot
+  # fit stops here with its options.
+  mem = memory.breakdown(setup, memory.compile_train_step(setup))
+  if lead:
+    print(mem.format(), flush=True)
+  memory.check_fits(mem, config)
   data = data_config(config)
   dataset = data_lib.load_dataset(data, llama_config(config.model).vocab_size)
   tokenizer = tokenizer_lib.for_data(data)
@@ -378,7 +393,8 @@ def train(config: config_lib.Config, devices=None) -> dict:
   summary.update(
       step=int(state['step']), nonfinite_steps=int(state['nonfinite']),
       train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
-      peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir))
+      peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir),
+      memory=dataclasses.asdict(mem))
   if summary['complete']:
     summary.update(_last_recorded(t.run_dir))
   return summary

@@ -1,0 +1,93 @@
+"""Remat (gradient checkpointing) policies for the decoder layer stack.
+
+A policy decides which values a decoder layer keeps for backward; the rest
+is recomputed from the layer's input (always kept) during backward. Names
+follow MaxText's `remat_policy`:
+
+- 'none': no `jax.checkpoint`: whatever autodiff and the custom_vjps save.
+  Under `nnx.scan` this stacks every residual of the layer body, including
+  elementwise ones that XLA would recompute for unrolled layers.
+- 'minimal': keeps the projections' outputs (q, k, v, the attention output
+  projection, SwiGLU's gate and up), the attention output and the flash
+  attention kernel's outputs, and in 'fp8_linear' and 'coat' modes the FP8
+  residuals of the custom_vjps (in 'coat' those replace the BF16 GEMM
+  outputs); recomputes elementwise work (norms, RoPE, SwiGLU, residual adds)
+  and never a GEMM.
+- 'minimal_offloaded': what 'minimal' keeps, moved to pinned host memory in
+  forward and back in backward (GPU only: needs host memory spaces).
+- 'full': keeps only each layer's input; backward reruns the layer's whole
+  forward (about one extra forward pass of FLOPs).
+"""
+
+from collections.abc import Callable
+
+from flax import nnx
+import jax
+from jax.ad_checkpoint import Offloadable
+from jax.ad_checkpoint import Recompute
+from jax.ad_checkpoint import checkpoint_name
+
+from coat_jax.nn.mlp import GATE_UP
+from coat_jax.nn.residuals import FP8_RESIDUAL
+
+POLICIES = ('none', 'minimal', 'minimal_offloaded', 'full')
+DEFAULT = 'minimal'
+
+# checkpoint_name tags of llama.py's values that 'minimal' keeps.
+QKV_PROJ = 'qkv_proj'
+ATTENTION = 'attention'
+OUT_PROJ = 'out_proj'
+MINIMAL_NAMES = (QKV_PROJ, ATTENTION, OUT_PROJ, GATE_UP, FP8_RESIDUAL)
+
+name = checkpoint_name
+
+
+def check_policy(policy: str, setting: str = 'remat') -> None:
+  """Raises ValueError naming `setting` unless `policy` is in POLICIES."""
+  if policy not in POLICIES:
+    raise ValueError(
+        f'{setting}={policy!r} is not a remat policy: use one of {POLICIES}'
+        " ('none' saves the most, 'full' the least; see"
+        ' coat_jax.models.remat).')
+
+
+def _minimal(prim, *_, **params) -> bool:
+  """Saves the MINIMAL_NAMES values and cuDNN flash attention's outputs (o
+  and the softmax statistics: its backward's residuals, on GPU)."""
+  if prim.name == 'name':  # checkpoint_name's primitive
+    return params['name'] in MINIMAL_NAMES
+  return prim.name.startswith('dot_product_attention_fwd')
+
+
+def _minimal_offloaded(prim, *args, **params):
+  if _minimal(prim, *args, **params):
+    return Offloadable(src='device', dst='pinned_host')
+  return Recompute
+
+
+def jax_policy(policy: str) -> Callable[..., object] | None:
+  """The `jax.checkpoint` policy of a name; None for 'none' (no remat)."""
+  check_policy(policy)
+  if policy == 'none':
+    return None
+  if policy == 'full':
+    return jax.checkpoint_policies.nothing_saveable
+  if policy == 'minimal':
+    return _minimal
+  if jax.default_backend() != 'gpu':
+    raise ValueError(
+        f"remat='{policy}' offloads to pinned host memory, which jax supports"
+        f' on GPU; this backend is {jax.default_backend()!r}: use'
+        " 'minimal' (same values kept on the device) or 'full'.")
+  return _minimal_offloaded
+
+
+def apply(fn: Callable, policy: str, *, in_scan: bool) -> Callable:
+  """`fn` (a layer body, modules allowed) under the remat `policy`.
+
+  in_scan: fn is a scan body (no CSE to prevent: jax's advice).
+  """
+  jp = jax_policy(policy)
+  if jp is None:
+    return fn
+  return nnx.remat(fn, policy=jp, prevent_cse=not in_scan)

@@ -1,0 +1,185 @@
+"""How a run's device memory divides, from the compiled train step.
+
+`estimate` compiles the train step ahead of time from abstract state (no
+param is initialized) and reads XLA's buffer assignment
+(`compiled.memory_analysis()`); `find_max_batch` searches the largest
+`train.batch_size` that fits by compiling, never by running out of memory.
+All sizes are bytes per device.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coat_jax.models import remat as remat_lib
+from coat_jax.training import config as config_lib
+from coat_jax.training import sharding
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+  """Bytes per device of one train step.
+
+  params, optimizer_state: the train state (inputs of the step, updated in
+  place). gradients: one float copy of the params, a part of the step's
+  temporaries. activations: the rest of the temporaries (saved activations,
+  backward's working set, XLA's scratch). total: XLA's peak for the step.
+  limit: what XLA may allocate on the device (None where unknown, as on
+  CPU without --memory-limit-gib).
+  """
+
+  params: int
+  optimizer_state: int
+  gradients: int
+  activations: int
+  total: int
+  limit: int | None
+
+  @property
+  def fits(self) -> bool:
+    return self.limit is None or self.total <= self.limit
+
+  def format(self) -> str:
+    """A few lines: each part in GiB, the total against the limit."""
+    rows = [('params', self.params),
+            ('optimizer state', self.optimizer_state),
+            ('gradients', self.gradients),
+            ('activations and temporaries', self.activations)]
+    lines = ['memory per device (compiled train step):']
+    lines += [f'  {name:<28} {_size(size)}' for name, size in rows]
+    limit = ('(no device limit known)' if self.limit is None
+             else f'of {_size(self.limit).strip()} the device allows'
+             f' ({self.total / self.limit:.0%})')
+    lines.append(f'  {"total":<28} {_size(self.total)} {limit}')
+    return '\n'.join(lines)
+
+
+def _size(n: int) -> str:
+  return (f'{n / GIB:9.2f} GiB' if n >= GIB // 10
+          else f'{n / 2**20:9.2f} MiB')
+
+
+def device_limit() -> int | None:
+  """Bytes XLA may allocate on the first local device (None if unknown)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get('bytes_limit')
+
+
+def _per_device_bytes(abstract, shardings) -> int:
+  def leaf_bytes(x, s):
+    return math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+  return sum(jax.tree.leaves(jax.tree.map(leaf_bytes, abstract, shardings)))
+
+
+def compile_train_step(setup: Any):
+  """The train step of `setup` (a `trainer.Setup`) compiled for abstract
+  state and batches: nothing is initialized or transferred."""
+  c = setup.config
+  batch = jax.ShapeDtypeStruct(
+      (c.train.batch_size, c.data.seq_len), jnp.int32,
+      sharding=sharding.batch_sharding(setup.mesh))
+  state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      setup.abstract_state, setup.state_shardings)
+  with jax.set_mesh(setup.mesh):
+    return setup.lower_train_step(state, batch, batch).compile()
+
+
+def breakdown(setup: Any, compiled,
+              limit: int | None = None) -> MemoryBreakdown:
+  """The MemoryBreakdown of `compiled` (from `compile_train_step(setup)`).
+
+  limit: bytes the device allows; None reads the device's `bytes_limit`.
+  """
+  abstract, shardings = setup.abstract_state, setup.state_shardings
+  params = _per_device_bytes(abstract['params'], shardings['params'])
+  opt = _per_device_bytes(abstract['opt_state'], shardings['opt_state'])
+  stats = compiled.memory_analysis()
+  temp = stats.temp_size_in_bytes
+  # XLA allocates the temporaries as one block next to the (donated, so
+  # aliased) arguments and the outputs.
+  total = max(stats.argument_size_in_bytes + stats.output_size_in_bytes
+              - stats.alias_size_in_bytes + temp,
+              getattr(stats, 'peak_memory_in_bytes', 0))
+  return MemoryBreakdown(
+      params=params, optimizer_state=opt, gradients=min(params, temp),
+      activations=max(temp - params, 0), total=total,
+      limit=device_limit() if limit is None else limit)
+
+
+def estimate(config: config_lib.Config, devices=None,
+             limit: int | None = None) -> MemoryBreakdown:
+  """Compiles `config`'s train step ahead of time; its MemoryBreakdown."""
+  from coat_jax.training import trainer  # noqa: PLC0415 (trainer uses us)
+
+  setup = trainer.build(config, devices)
+  return breakdown(setup, compile_train_step(setup), limit)
+
+
+def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
+  """Raises ValueError, naming the settings to change, if `mem` won't fit."""
+  if mem.fits:
+    return
+  others = [p for p in remat_lib.POLICIES if p != config.model.remat]
+  raise ValueError(
+      f'this run needs {mem.total / GIB:.2f} GiB per device but the device'
+      f' allows {mem.limit / GIB:.2f} GiB (train.batch_size='
+      f'{config.train.batch_size}, model.remat={config.model.remat!r},'
+      f' model.precision={config.model.precision!r}). Options: a smaller'
+      ' train.batch_size (or more train.microbatches); a remat policy that'
+      f' keeps less (model.remat one of {others}; \'full\' keeps least);'
+      ' more devices, or mesh.fsdp > 1 to shard params and optimizer state;'
+      ' or raise XLA_PYTHON_CLIENT_MEM_FRACTION. `python train.py'
+      ' --find-max-batch ...` finds the largest batch per policy.')
+
+
+def batch_unit(config: config_lib.Config, num_devices: int) -> int:
+  """train.batch_size must be a multiple of this (microbatches x data
+  shards of the mesh)."""
+  data, fsdp, _ = config_lib.mesh_shape(config.mesh, num_devices)
+  return config.train.microbatches * data * fsdp
+
+
+def find_max_batch(config: config_lib.Config, limit: int, devices=None,
+                   max_batch: int = 1 << 14) -> int:
+  """The largest train.batch_size of `config` whose step fits in `limit`.
+
+  Compiles the step (doubling, then bisection) over multiples of
+  `batch_unit`; returns 0 if even one unit does not fit.
+  """
+  devices = jax.devices() if devices is None else devices
+  unit = batch_unit(config, len(devices))
+
+  def fits(units: int) -> bool:
+    c = config_lib.apply_overrides(config, [])
+    c.train.batch_size = units * unit
+    try:
+      return estimate(c, devices, limit).fits
+    except jax.errors.JaxRuntimeError as e:  # compile-time out of memory
+      if 'RESOURCE_EXHAUSTED' in str(e):
+        return False
+      raise
+
+  if not fits(1):
+    return 0
+  low, high = 1, 2  # low fits; high is untested or does not fit
+  while high * unit <= max_batch and fits(high):
+    low, high = high, high * 2
+  high = min(high, max_batch // unit + 1)
+  while high - low > 1:
+    mid = (low + high) // 2
+    low, high = (mid, high) if fits(mid) else (low, mid)
+  return low * unit
+
+
+def usable_policies() -> tuple[str, ...]:
+  """The remat policies this backend can compile."""
+  if jax.default_backend() == 'gpu':
+    return remat_lib.POLICIES
+  return tuple(p for p in remat_lib.POLICIES if 'offloaded' not in p)

@@ -1,0 +1,157 @@
+"""Memory: the ahead-of-time estimate, fitting, the max batch, train.py."""
+
+import math
+import os
+import sys
+
+import jax
+import pytest
+
+from coat_jax import training
+from coat_jax.models import remat
+from coat_jax.training import memory
+from coat_jax.training import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+sys.path.insert(0, ROOT)
+import train as train_py  # noqa: E402
+
+ONE = jax.devices()[:1]
+
+
+def _param_bytes(config):
+  setup = trainer.build(config, ONE)
+  return sum(math.prod(x.shape) * x.dtype.itemsize
+             for x in jax.tree.leaves(setup.abstract_state['params']))
+
+
+def test_estimate_divides_the_step(tiny_config):
+  config = tiny_config()
+  mem = memory.estimate(config, ONE, limit=1 << 40)
+  params = _param_bytes(config)
+  assert mem.params == params and mem.gradients == params
+  # coat_adamw: two E4M3 moments (1 byte per param) plus group scales.
+  assert params / 4 * 2 <= mem.optimizer_state < params
+  assert mem.activations > 0
+  assert mem.total >= mem.params + mem.optimizer_state + mem.gradients
+  assert mem.fits
+  text = mem.format()
+  for part in ('params', 'optimizer state', 'gradients', 'activations',
+               'total', 'the device allows'):
+    assert part in text
+  # Sharded over 8 devices (fsdp), each holds about an eighth of the state.
+  sharded = memory.estimate(
+      tiny_config(mesh={'data': 1, 'fsdp': 8, 'tensor': 1}))
+  assert sharded.limit is None  # CPU: no device limit
+  assert sharded.params < params / 2
+
+
+def test_a_run_that_does_not_fit_is_refused_before_training(
+    tiny_config, monkeypatch):
+  monkeypatch.setattr(memory, 'device_limit', lambda: 1 << 20)
+  config = tiny_config()
+  with pytest.raises(ValueError, match=r'train\.batch_size=8, model\.remat='
+                     r"'minimal'.*smaller train\.batch_size.*model\.remat"
+                     r'.*mesh\.fsdp'):
+    training.train(config, devices=ONE)
+  assert not os.path.exists(config.train.run_dir)  # nothing was started
+
+
+def test_find_max_batch_searches_multiples_of_the_unit(monkeypatch):
+  """The search itself, on a stand-in estimate (total = 1000 x batch): the
+  compiled path is tested from the command line below."""
+  compiled = []
+
+  def fake_estimate(config, devices, limit):
+    compiled.append(config.train.batch_size)
+    return memory.MemoryBreakdown(0, 0, 0, 0, 1000 * config.train.batch_size,
+                                  limit)
+
+  monkeypatch.setattr(memory, 'estimate', fake_estimate)
+  config = training.Config()
+  config.train.microbatches = 2
+  devices = jax.devices()  # 8: the batch steps by 2 x 8 = 16
+  assert memory.batch_unit(config, 8) == 16
+  for limit, expected in ((15_999, 0), (16_000, 16), (47_999, 32),
+                          (48_000, 48), (1_000_000, 992)):
+    compiled.clear()
+    assert memory.find_max_batch(config, limit, devices) == expected, limit
+    assert all(b % 16 == 0 for b in compiled)
+    assert len(compiled) <= 2 * math.log2(max(expected, 16) / 16) + 2
+  assert memory.find_max_batch(config, 10**9, devices, max_batch=100) == 96
+  assert config.train.batch_size == 16  # the config given is not changed
+
+
+@pytest.fixture
+def run_main(capsys, monkeypatch):
+  # main() sets the GPU memory fraction for jax; keep it out of later tests.
+  monkeypatch.delenv(train_py.MEM_FRACTION_ENV, raising=False)
+  return lambda argv: _main(argv, capsys)
+
+
+def _main(argv, capsys):
+  code = train_py.main(argv)
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_estimate_from_the_command_line(run_main):
+  base = ['--set', 'data.seq_len=32', 'model.remat=full']
+  code, out, _ = run_main(['--estimate'] + base)
+  assert code == 0
+  assert 'XLA_PYTHON_CLIENT_MEM_FRACTION=' in out
+  assert 'optimizer state' in out and 'total' in out
+  code, out, err = run_main(['--estimate', '--memory-limit-gib', '0.001']
+                            + base)
+  assert code == 2
+  assert 'train.batch_size=16' in err and "model.remat='full'" in err
+
+
+def test_find_max_batch_from_the_command_line(run_main):
+  sets = ['data.seq_len=32', 'mesh.data=1', 'mesh.fsdp=8', 'model.remat=full']
+  base = ['--set'] + sets
+  code, _, err = run_main(['--find-max-batch'] + base)
+  assert code == 2 and '--memory-limit-gib' in err  # CPU: no device limit
+  config = training.apply_overrides(training.Config(), sets)
+  at = lambda b: memory.estimate(training.apply_overrides(
+      config, [f'train.batch_size={b}'])).total
+  gib = (at(8) + at(16)) / 2 / memory.GIB  # batch steps by 8 devices
+  code, out, _ = run_main(['--find-max-batch', '--memory-limit-gib',
+                           str(gib), '--policies', 'full'] + base)
+  assert code == 0
+  (line,) = [s for s in out.splitlines() if 'model.remat=full' in s]
+  assert line.endswith('train.batch_size=8'), out
+  code, _, err = run_main(['--find-max-batch', '--memory-limit-gib', '1',
+                           '--policies', 'fastest'] + base)
+  assert code == 2 and "--policies='fastest' is not a remat policy" in err
+
+
+def test_remat_setting_and_its_errors(run_main):
+  config = training.apply_overrides(training.Config(), [
+      'model.remat=full', 'data.seq_len=16384', 'model.max_seq_len=16384'])
+  training.validate(config, 8)
+  llama = trainer.llama_config(config.model)
+  assert (llama.remat, llama.max_seq_len) == ('full', 16384)
+  bad = training.apply_overrides(training.Config(), ['model.remat=most'])
+  with pytest.raises(ValueError, match=r"model\.remat='most' is not a remat"
+                     r" policy: use one of \('none', 'minimal'"):
+    training.validate(bad, 1)
+  code, _, err = run_main(['--set', 'model.remat=most'])
+  assert code == 2 and 'model.remat' in err and "'full'" in err
+
+
+@pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
+def test_train_step_compiles_with_every_policy(tiny_config, precision):
+  peaks = {}
+  for name in memory.usable_policies():
+    config = tiny_config(model={'precision': precision, 'remat': name})
+    peaks[name] = memory.estimate(config, ONE).activations
+  print(precision, {k: v / 2**20 for k, v in peaks.items()})
+  offload = jax.default_backend() == 'gpu'
+  assert set(peaks) == set(remat.POLICIES) - (
+      set() if offload else {'minimal_offloaded'})
+  assert 0 < peaks['full'] < peaks['minimal'] < peaks['none']
+  if precision == 'coat':  # activations grow with the batch
+    config = tiny_config(model={'precision': precision, 'remat': 'none'},
+                         train={'batch_size': 16})
+    assert memory.estimate(config, ONE).activations > peaks['none']
