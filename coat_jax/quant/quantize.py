@@ -102,6 +102,7 @@ def quantize_blockwise(
     *,
     transpose: bool = False,
     pow2_scales: bool = False,
+    transpose_block: tuple[int, int] = (1, 128),
     implementation: str | None = 'xla',
 ) -> QuantizedArray | tuple[QuantizedArray, QuantizedArray]:
   """Quantizes in 1x128 tiles (activations, gradients) or 128x128 blocks.
@@ -121,6 +122,8 @@ def quantize_blockwise(
       (K, prod(shape[:-1])) in 1x128 tiles along its last axis (the tokens),
       quantized in the same pass: what a weight-gradient GEMM reads.
     pow2_scales: power-of-two scales (exact rescaling).
+    transpose_block: with transpose, (1, 128) or (128, 128): the transposed
+      view in 128x128 blocks instead.
     implementation: 'xla', 'pallas' or None (fastest available).
 
   Returns:
@@ -132,12 +135,14 @@ def quantize_blockwise(
   """
   values, scale, values_t, scale_t = blockwise_api.quantize_blockwise(
       x, block, dtype, transpose=transpose, pow2_scales=pow2_scales,
-      implementation=implementation)
+      transpose_block=transpose_block, implementation=implementation)
   if tuple(block) == (128, 128):
     return QuantizedArray(values, scale, block=(128, 128))
   q = QuantizedArray(values, scale, None, 128)
   if not transpose:
     return q
+  if tuple(transpose_block) == (128, 128):
+    return q, QuantizedArray(values_t, scale_t, block=(128, 128))
   return q, QuantizedArray(values_t, scale_t, None, 128)
 
 

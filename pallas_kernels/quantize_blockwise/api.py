@@ -34,6 +34,7 @@ def check_block(block: Any) -> tuple[int, int]:
 def quantize_blockwise(
     x: jax.Array, block: tuple[int, int] = (1, TILE), dtype: Any = 'e4m3',
     *, transpose: bool = False, pow2_scales: bool = False,
+    transpose_block: tuple[int, int] = (1, TILE),
     implementation: str | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
   """Quantizes `x` in 1x128 tiles or 128x128 blocks (see `reference`).
@@ -46,14 +47,20 @@ def quantize_blockwise(
     transpose: (1, 128) only: also the FP8 transpose of the 2-D view
       (prod(shape[:-1]), K), tiled along its last axis, in the same pass.
     pow2_scales: scales rounded up to powers of two (exact rescaling).
+    transpose_block: (1, 128) (the transpose tiled along its last axis, the
+      tokens) or (128, 128) (the transpose in 128x128 blocks: a GEMM's B
+      operand with one scale per 128x128 block).
     implementation: None (fastest available), 'xla' or 'pallas'.
 
   Returns:
     (values x.shape FP8, scales float32: x.shape[:-1] + (ceil(K / 128),) for
     tiles, (ceil(M / 128), ceil(K / 128)) for blocks; values_t (K, M) FP8
-    and scales_t (K, ceil(M / 128)) float32 with transpose, else None).
+    and scales_t (K, ceil(M / 128)) float32 -- (ceil(K / 128),
+    ceil(M / 128)) with transpose_block (128, 128) -- with transpose, else
+    None).
   """
   block = check_block(block)
+  transpose_block = check_block(transpose_block)
   dt = _common.fp8_dtype(dtype)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -74,6 +81,7 @@ def quantize_blockwise(
     from pallas_kernels.quantize_blockwise import pallas_triton
     return pallas_triton.quantize_blockwise(
         x, block, dt, transpose=transpose, pow2=bool(pow2_scales),
-        interpret=interpret)
+        transpose_block=transpose_block, interpret=interpret)
   return reference.quantize_blockwise(
-      x, block, dt, transpose=transpose, pow2=bool(pow2_scales))
+      x, block, dt, transpose=transpose, pow2=bool(pow2_scales),
+      transpose_block=transpose_block)

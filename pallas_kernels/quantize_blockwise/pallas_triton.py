@@ -61,8 +61,15 @@ def _quantize_tile(x, dtype, pow2, ops):
   return values.reshape(r, c), scales
 
 
+def _block_of(x, dtype, pow2, ops):
+  """A float32 (128, 128) block -> (values FP8, scale (1,))."""
+  amax = _common.abs_max(_common.abs_max(jnp.abs(x), 1)[None, :], 1)  # (1,)
+  scale = reference.scale_from_amax(amax, dtype, pow2)
+  return _common.saturate(ops.div(x, scale[:, None]), dtype, ops), scale
+
+
 def _tiles_kernel(x_ref, *out_refs, rows, cols, ncb, dtype, pow2, transpose,
-                  ops):
+                  t_blocks, ops):
   br, bc = x_ref.shape
   pid = pl.program_id(0)
   i, j = pid // ncb, pid % ncb
@@ -74,7 +81,11 @@ def _tiles_kernel(x_ref, *out_refs, rows, cols, ncb, dtype, pow2, transpose,
       i, j, (br, bc // TILE), (rows, pl.cdiv(cols, TILE)))
   pltriton.store(out_refs[0], values, mask=mask)
   pltriton.store(out_refs[1], scales, mask=smask)
-  if transpose:
+  if transpose and t_blocks:  # the tile is one 128x128 block of x^T
+    values_t, scale_t = _block_of(x.T, dtype, pow2, ops)
+    pltriton.store(out_refs[2], values_t, mask=None if exact else mask.T)
+    out_refs[3][...] = jnp.broadcast_to(scale_t[:, None], out_refs[3].shape)
+  elif transpose:
     values_t, scales_t = _quantize_tile(x.T, dtype, pow2, ops)
     tmask = None if exact else _common.tile_mask(
         j, i, (bc, br // TILE), (cols, pl.cdiv(rows, TILE)))
@@ -89,22 +100,24 @@ def _blocks_kernel(x_ref, v_ref, s_ref, *, rows, cols, ncb, dtype, pow2, ops):
   mask = None if exact else _common.tile_mask(
       i, j, (TILE, TILE), (rows, cols))
   x = _common.masked_load(x_ref, mask, 0.0)
-  amax = _common.abs_max(_common.abs_max(jnp.abs(x), 1)[None, :], 1)  # (1,)
-  scale = reference.scale_from_amax(amax, dtype, pow2)
-  values = _common.saturate(ops.div(x, scale[:, None]), dtype, ops)
+  values, scale = _block_of(x, dtype, pow2, ops)
   pltriton.store(v_ref, values, mask=mask)
   s_ref[...] = jnp.broadcast_to(scale[:, None], s_ref.shape)
 
 
 @functools.partial(
     jax.jit, static_argnames=('block', 'dtype', 'transpose', 'pow2',
-                              'block_sizes', 'interpret'))
+                              'transpose_block', 'block_sizes', 'interpret'))
 def quantize_blockwise(
     x: jax.Array, block: tuple[int, int] = (1, TILE), dtype: Any = 'e4m3',
     *, transpose: bool = False, pow2: bool = False,
+    transpose_block: tuple[int, int] = (1, TILE),
     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
-  """Pallas version of `reference.quantize_blockwise` (same contract)."""
+  """Pallas version of `reference.quantize_blockwise` (same contract).
+
+  With `transpose_block=(128, 128)` each program's tile is one 128x128
+  block (block_sizes is then ignored)."""
   dt = _common.fp8_dtype(dtype)
   shape = x.shape
   rows, cols = _common.as_2d(shape)
@@ -125,19 +138,26 @@ def quantize_blockwise(
         name='quantize_blocks',
     )(x2)
     return values.reshape(shape), scales, None, None
-  br, bc = block_sizes.block_rows, block_sizes.block_cols
+  t_blocks = transpose and tuple(transpose_block) == (TILE, TILE)
+  br, bc = ((TILE, TILE) if t_blocks
+            else (block_sizes.block_rows, block_sizes.block_cols))
   ncb = pl.cdiv(cols, bc)
   out_shape = [jax.ShapeDtypeStruct((rows, cols), dt),
                jax.ShapeDtypeStruct((rows, kb), jnp.float32)]
   out_specs = [_spec((br, bc), ncb), _spec((br, bc // TILE), ncb)]
-  if transpose:
+  if t_blocks:
+    out_shape += [jax.ShapeDtypeStruct((cols, rows), dt),
+                  jax.ShapeDtypeStruct((kb, mb), jnp.float32)]
+    out_specs += [_spec((bc, br), ncb, True), _spec((1, 1), ncb, True)]
+  elif transpose:
     out_shape += [jax.ShapeDtypeStruct((cols, rows), dt),
                   jax.ShapeDtypeStruct((cols, mb), jnp.float32)]
     out_specs += [_spec((bc, br), ncb, True),
                   _spec((bc, br // TILE), ncb, True)]
   outs = pl.pallas_call(
       functools.partial(_tiles_kernel, rows=rows, cols=cols, ncb=ncb,
-                        dtype=dt, pow2=pow2, transpose=transpose, ops=ops),
+                        dtype=dt, pow2=pow2, transpose=transpose,
+                        t_blocks=t_blocks, ops=ops),
       grid=(pl.cdiv(rows, br) * ncb,),
       in_specs=[_spec((br, bc), ncb)],
       out_specs=out_specs, out_shape=out_shape, interpret=interpret,

@@ -6,7 +6,9 @@ The pure-jnp numerics (the 'xla' path and the oracle of the Pallas kernel);
 Layouts, for a 2-D view x (M, K) (the last axis kept):
   tiles: 1x128 tiles along K; scales (M, ceil(K / 128)). With `transpose`,
     also x^T (K, M) in 1x128 tiles along M, scales (K, ceil(M / 128)): the
-    operand of the weight-gradient GEMM, whose K is the token axis.
+    operand of the weight-gradient GEMM, whose K is the token axis; or, with
+    `transpose_block=(128, 128)`, x^T in 128x128 blocks, scales
+    (ceil(K / 128), ceil(M / 128)).
   blocks: 128x128 blocks; scales (ceil(M / 128), ceil(K / 128)). One scale
     serves a block of W and the same block of W^T.
 
@@ -135,7 +137,8 @@ def as_matrix(x: jax.Array) -> jax.Array:
 
 def quantize_blockwise(
     x: jax.Array, block: tuple[int, int] = (1, TILE), dtype: Any = 'e4m3',
-    *, transpose: bool = False, pow2: bool = False
+    *, transpose: bool = False, pow2: bool = False,
+    transpose_block: tuple[int, int] = (1, TILE)
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
   """Quantizes `x` in 1x128 tiles or 128x128 blocks (see module doc).
 
@@ -147,11 +150,14 @@ def quantize_blockwise(
     transpose: tiles only: also the transposed 2-D view (K, M) in 1x128
       tiles along M.
     pow2: power-of-two scales.
+    transpose_block: (1, 128), or (128, 128) for the transposed view in
+      128x128 blocks.
 
   Returns:
     (values x.shape FP8, scales float32 (M, KB) for tiles (x.shape[:-1] +
     (KB,) for an n-D x) or (MB, KB) for blocks, values_t (K, M) FP8 or None,
-    scales_t (K, MB) float32 or None).
+    scales_t (K, MB) float32 ((KB, MB) with 128x128 transpose_block) or
+    None).
   """
   dt = _common.fp8_dtype(dtype)
   shape = jnp.shape(x)
@@ -164,7 +170,10 @@ def quantize_blockwise(
   scales = scales.reshape(group_reference.scale_shape(shape, TILE))
   if not transpose:
     return values, scales, None, None
-  values_t, scales_t = quantize_rows(x2.T, dt, pow2)
+  if tuple(transpose_block) == (TILE, TILE):
+    values_t, scales_t = quantize_blocks_2d(x2.T, dt, pow2)
+  else:
+    values_t, scales_t = quantize_rows(x2.T, dt, pow2)
   return values, scales, values_t, scales_t
 
 

@@ -59,6 +59,22 @@ def test_transposed_copy_is_the_tiles_of_x_t(pow2):
 
 
 @pytest.mark.parametrize('pow2', [False, True])
+def test_transposed_copy_in_blocks_is_the_blocks_of_x_t(pow2):
+  # wgrad's B operand: g^T with one scale per 128x128 block.
+  x = np.array(normal(1, (200, 300)))
+  x[130:, 200:] *= 300.0
+  x = jnp.asarray(x)
+  values, scales, values_t, scales_t = reference.quantize_blockwise(
+      x, (1, 128), 'e5m2', transpose=True, pow2=pow2,
+      transpose_block=(128, 128))
+  assert_same((values, scales),
+              reference.quantize_blockwise(x, (1, 128), 'e5m2', pow2=pow2)[:2])
+  want = reference.quantize_blockwise(x.T, (128, 128), 'e5m2', pow2=pow2)
+  assert values_t.shape == (300, 200) and scales_t.shape == (3, 2)
+  assert_same((values_t, scales_t), want[:2])
+
+
+@pytest.mark.parametrize('pow2', [False, True])
 @pytest.mark.parametrize('fmt', FORMATS)
 def test_blocks_match_a_hand_computation(fmt, pow2):
   x = np.array(normal(2, (200, 300)), np.float64)
@@ -220,6 +236,21 @@ def test_kernel_tiles_match_reference(shape, sizes, fmt, pow2):
   assert_same(got, want)
 
 
+@pytest.mark.parametrize('shape', [(256, 384), (200, 300), (1, 16)])
+@pytest.mark.parametrize('fmt,pow2', [('e5m2', False), ('e4m3', True)])
+def test_kernel_transposed_blocks_match_reference(shape, fmt, pow2):
+  x = np.array(normal(10, shape, 2.0))
+  if x.size > 1000:
+    x[150, 7] = np.nan  # confined to block (0, 1) of x^T
+    x[:128, 256:] = 0.0
+  x = jnp.asarray(x, jnp.bfloat16)
+  kw = dict(transpose=True, pow2=pow2, transpose_block=(128, 128))
+  got = pallas_triton.quantize_blockwise(x, (1, 128), fmt, interpret=True,
+                                         **kw)
+  want = reference.quantize_blockwise(x, (1, 128), fmt, **kw)
+  assert_same(got, want)
+
+
 @pytest.mark.parametrize('shape', [(256, 128), (144, 272)])
 @pytest.mark.parametrize('fmt,pow2', [('e4m3', True), ('e5m2', False)])
 def test_kernel_blocks_match_reference(shape, fmt, pow2):
@@ -273,4 +304,9 @@ def test_gpu_kernel_matches_reference(shape, pow2):
     got = pallas_triton.quantize_blockwise(x, (128, 128), fmt, pow2=pow2)
     want = jax.jit(lambda v, f=fmt: reference.quantize_blockwise(
         v, (128, 128), f, pow2=pow2))(x)
+    assert_same(got, want)
+    kw = dict(transpose=True, pow2=pow2, transpose_block=(128, 128))
+    got = pallas_triton.quantize_blockwise(x, (1, 128), fmt, **kw)
+    want = jax.jit(lambda v, f=fmt: reference.quantize_blockwise(
+        v, (1, 128), f, **kw))(x)
     assert_same(got, want)

@@ -169,13 +169,14 @@ def test_block_is_the_composition_of_its_quantizers_and_gemms():
   y, vjp = jax.vjp(_block, x, w)
   dx, dw = vjp(dy)
 
-  def tiles(a, fmt):
+  def tiles(a, fmt, transpose_block=(1, 128)):
     a = jnp.pad(a.reshape(150, -1), ((0, 106), (0, 0)))
-    return block_reference.quantize_blockwise(a, (1, 128), fmt,
-                                              transpose=True)
+    return block_reference.quantize_blockwise(
+        a, (1, 128), fmt, transpose=True, transpose_block=transpose_block)
 
   xv, xs, xt, xts = tiles(x, 'e4m3')
-  gv, gs, gt, gts = tiles(dy, 'e5m2')
+  gv, gs, gt, gts = tiles(dy, 'e5m2', (128, 128))  # wgrad's B: blocks
+  assert gts.shape == (2, 2)
   wv, ws, _, _ = block_reference.quantize_blockwise(w, (128, 128), 'e4m3')
   mm = fp8_matmul
   y_want = mm(xv, wv.T, xs, ws.T, out_dtype=jnp.bfloat16)[:150]
