@@ -14,6 +14,7 @@ quantized and saved once.
 """
 
 from collections.abc import Sequence
+import dataclasses
 import functools
 from types import MappingProxyType
 from typing import Any
@@ -22,6 +23,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from coat_jax.nn import fsdp
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
@@ -34,10 +36,20 @@ default_bias_init = nnx.initializers.zeros_init()
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_dense_2d(x, kernels, implementation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_dense_2d(x, kernels, implementation, gather_axes):
   """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0."""
-  return _fp8_dense_fwd(x, kernels, implementation)[0]
+  return _fp8_dense_fwd(x, kernels, implementation, gather_axes)[0]
+
+
+def _quantize_weight(w, gather_axes, i):
+  """Per-tensor E4M3 weight i; with gather_axes the FSDP all-gather moves
+  the FP8 codes of the local shards, not the float32 weight."""
+  wq = quantize_per_tensor(w, 'e4m3')
+  if gather_axes is not None:
+    wq = dataclasses.replace(
+        wq, values=fsdp.gather_fp8_weight(wq.values, gather_axes[i]))
+  return wq
 
 
 def _quantize_with_transpose(x, dtype):
@@ -47,11 +59,11 @@ def _quantize_with_transpose(x, dtype):
                                           implementation=None)
 
 
-def _fp8_dense_fwd(x, kernels, implementation):
+def _fp8_dense_fwd(x, kernels, implementation, gather_axes):
   x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
   outs = []
-  for w in kernels:
-    wq = quantize_per_tensor(w, 'e4m3')
+  for i, w in enumerate(kernels):
+    wq = _quantize_weight(w, gather_axes, i)
     outs.append(fp8_matmul(
         x_values, wq.values.T, x_scale, wq.scale, out_dtype=x.dtype,
         implementation=implementation))
@@ -59,15 +71,15 @@ def _fp8_dense_fwd(x, kernels, implementation):
   return tuple(outs), (x_t, x_scale, kernels)
 
 
-def _fp8_dense_bwd(implementation, residuals, grads):
+def _fp8_dense_bwd(implementation, gather_axes, residuals, grads):
   x_t, x_scale, kernels = residuals
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
-  for w, g in zip(kernels, grads, strict=True):
+  for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
     g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
-    wq = quantize_per_tensor(w, 'e4m3')
+    wq = _quantize_weight(w, gather_axes, i)
     part = fp8_matmul(g_values, wq.values, g_scale, wq.scale,
                       out_dtype=dgrad_dtype, implementation=implementation)
     dx = part if dx is None else dx + part
@@ -96,6 +108,7 @@ def _check_dense_args(x, kernels) -> None:
 def fp8_dense(
     x: jax.Array, kernels: Sequence[jax.Array], *,
     implementation: str | None = None,
+    gather_axes: tuple[tuple[str | None, ...] | None, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
   """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
 
@@ -105,6 +118,10 @@ def fp8_dense(
       16. Their gradients come back in their own dtype.
     implementation: passed to `fp8_matmul` ('xla', 'pallas', 'triton'
       or None).
+    gather_axes: None, or the logical axis names of each kernel: under an
+      FSDP mesh, all-gather the kernels' FP8 codes
+      (`coat_jax.nn.fsdp.gather_fp8_weight`) instead of float32 shards;
+      the results are the same.
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
@@ -124,7 +141,10 @@ def fp8_dense(
   pad = -rows % precision_lib.FP8_MULTIPLE
   if pad:  # FP8 GEMMs tile M by 16; zero rows add nothing to wgrad.
     x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-  outs = _fp8_dense_2d(x2, kernels, implementation)
+  if gather_axes is not None and len(gather_axes) != len(kernels):
+    raise ValueError(f'gather_axes names {len(gather_axes)} kernels; there'
+                     f' are {len(kernels)} (one tuple of axis names each).')
+  outs = _fp8_dense_2d(x2, kernels, implementation, gather_axes)
   return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
 
 
@@ -141,15 +161,18 @@ def bf16_dense(
 def dense(
     x: jax.Array, kernels: Sequence[jax.Array], *, precision: str,
     dtype: Any = jnp.bfloat16, implementation: str | None = None,
+    gather_axes: Any = None,
 ) -> tuple[jax.Array, ...]:
   """`x @ w` for each kernel, with the implementation of `precision`.
 
-  'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense`.
-  x is cast to `dtype` first; outputs are in `dtype`.
+  'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense`
+  (`gather_axes` is passed to it; BF16 matmuls ignore it). x is cast to
+  `dtype` first; outputs are in `dtype`.
   """
   x = x.astype(dtype)
   if precision_lib.uses_fp8_matmuls(precision):
-    return fp8_dense(x, kernels, implementation=implementation)
+    return fp8_dense(x, kernels, implementation=implementation,
+                     gather_axes=gather_axes)
   return bf16_dense(x, kernels, dtype=dtype)
 
 
@@ -174,6 +197,8 @@ class CoatLinear(nnx.Module):
     kernel_axes: logical axis names of the kernel, e.g. ('embed', 'mlp').
     implementation: `fp8_matmul` implementation ('xla', 'pallas',
       'triton', None).
+    fp8_weight_gather: all-gather FSDP-sharded weights as FP8 codes (FP8
+      modes; `coat_jax.nn.fsdp.gather_fp8_weight`).
     rngs: random number generators.
     kernel_metadata: extra metadata for the kernel Param.
     bias_metadata: extra metadata for the bias Param.
@@ -192,6 +217,7 @@ class CoatLinear(nnx.Module):
       bias_init: Any = default_bias_init,
       kernel_axes: tuple[str | None, ...] | None = None,
       implementation: str | None = None,
+      fp8_weight_gather: bool = False,
       rngs: nnx.Rngs,
       kernel_metadata: Any = MappingProxyType({}),
       bias_metadata: Any = MappingProxyType({}),
@@ -219,6 +245,8 @@ class CoatLinear(nnx.Module):
     self.param_dtype = param_dtype
     self.precision = precision
     self.implementation = implementation
+    self.fp8_weight_gather = fp8_weight_gather
+    self.kernel_axes = kernel_axes
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """(..., in_features) -> (..., out_features) in `dtype`."""
@@ -230,18 +258,24 @@ def fanout(
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
-  The layers must share precision, dtype and implementation (Q/K/V or
-  gate/up projections). Returns one output per layer.
+  The layers must share precision, dtype, implementation and
+  fp8_weight_gather (Q/K/V or gate/up projections). Returns one output per
+  layer.
   """
   first = layers[0]
+  def shared(layer):
+    return (layer.precision, layer.dtype, layer.implementation,
+            layer.fp8_weight_gather)
+
   for layer in layers[1:]:
-    if (layer.precision, layer.dtype, layer.implementation) != (
-        first.precision, first.dtype, first.implementation):
-      raise ValueError('fanout: all layers must share precision, dtype and'
-                       ' implementation.')
+    if shared(layer) != shared(first):
+      raise ValueError('fanout: all layers must share precision, dtype,'
+                       ' implementation and fp8_weight_gather.')
   outs = dense(x, [layer.kernel[...] for layer in layers],
                precision=first.precision, dtype=first.dtype,
-               implementation=first.implementation)
+               implementation=first.implementation,
+               gather_axes=(tuple(layer.kernel_axes for layer in layers)
+                            if first.fp8_weight_gather else None))
   return tuple(
       y + layer.bias[...].astype(y.dtype) if layer.bias is not None else y
       for y, layer in zip(outs, layers, strict=True))

@@ -90,6 +90,7 @@ class CoatMLP(nnx.Module):
     kernel_init: initializer of the three kernels.
     implementation: `fp8_matmul` implementation ('xla', 'pallas',
       'triton', None).
+    fp8_weight_gather: all-gather FSDP-sharded weights as FP8 (CoatLinear).
     rngs: random number generators.
   """
 
@@ -103,6 +104,7 @@ class CoatMLP(nnx.Module):
       precision: str = 'coat',
       kernel_init: Any = linear.default_kernel_init,
       implementation: str | None = None,
+      fp8_weight_gather: bool = False,
       rngs: nnx.Rngs,
   ):
     precision_lib.check_fp8_size('in_features', in_features, precision)
@@ -110,7 +112,8 @@ class CoatMLP(nnx.Module):
                                  precision)
     kwargs = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
                   precision=precision, kernel_init=kernel_init,
-                  implementation=implementation, rngs=rngs)
+                  implementation=implementation,
+                  fp8_weight_gather=fp8_weight_gather, rngs=rngs)
     self.gate_proj = linear.CoatLinear(
         in_features, hidden_features, kernel_axes=('embed', 'mlp'), **kwargs)
     self.up_proj = linear.CoatLinear(
