@@ -486,6 +486,54 @@ def _train_rows(rs: list[dict], base_name: str = 'bf16') -> list[str]:
   return rows
 
 
+def _scaling_rows(trains: list[dict]) -> list[str]:
+  """tokens/s/device of each run by device count (part 'scaling'), and
+  the efficiency against its 1-device point."""
+  rs = [r for r in trains if r['part'] == 'scaling' and r['status'] == 'ok']
+  if not rs:
+    return []
+  counts = sorted({r['devices'] for r in rs})
+  rows = ['\nScaling (tokens/s/device, and against 1 device):\n',
+          '| run | ' + ' | '.join(f'{n} device(s)' for n in counts) + ' |',
+          '|---' * (len(counts) + 1) + '|']
+  for name in dict.fromkeys(r['name'] for r in rs):
+    by_n = {r['devices']: r['tokens_per_s'] for r in rs if r['name'] == name}
+    one = by_n.get(1)
+    rows.append(f'| {name} | ' + ' | '.join(
+        f'{by_n[n]:,.0f} ({_ratio(by_n[n], one)})' if n in by_n else ''
+        for n in counts) + ' |')
+  return rows
+
+
+def _gather_rows(trains: list[dict]) -> list[str]:
+  """coat with FP8 weight all-gathers against coat, same devices and
+  batch: speed, and all-gathered MiB per device by dtype."""
+  ok = {(r['name'], r['preset'], r['devices'], r['batch']): r
+        for r in trains if r['status'] == 'ok'}
+  rows = []
+  for (name, preset, n, batch), r in ok.items():
+    base = ok.get(('coat', preset, n, batch))
+    if name != GATHER_RUN[0] or base is None:
+      continue
+    if not rows:
+      rows = ['\nFP8 weight all-gather (model.fp8_weight_gather) against'
+              ' float32 gathers:\n',
+              '| preset | devices | batch | tokens/s/device: coat | FP8'
+              ' gather | ratio | all-gathered MiB/device: coat | FP8 gather'
+              ' |', '|---' * 8 + '|']
+
+    def gathered(rec):
+      return ', '.join(f'{k.split()[1]} {v["bytes"] / 2**20:.1f}'
+                       for k, v in rec['collectives'].items()
+                       if k.startswith('all-gather'))
+
+    rows.append(f'| {preset} | {n} | {batch} | {base["tokens_per_s"]:,.0f}'
+                f' | {r["tokens_per_s"]:,.0f} |'
+                f' {_ratio(r["tokens_per_s"], base["tokens_per_s"])} |'
+                f' {gathered(base)} | {gathered(r)} |')
+  return rows
+
+
 def tables(records: list[dict]) -> str:
   """Markdown of all parts."""
   ok = [r for r in records if r['status'] == 'ok']
@@ -506,7 +554,9 @@ def tables(records: list[dict]) -> str:
   if best:
     out.append('\nLargest batch that fits (of those tried):\n')
     out += _train_rows(list(best.values()))
-  proofs = [r for r in ok if r['kind'] == 'train' and r.get('sharding')]
+  out += _scaling_rows(trains) + _gather_rows(trains)
+  proofs = [r for r in ok if r['kind'] == 'train' and r.get('sharding')
+            and r['part'] != 'scaling']
   if proofs:
     out.append('\nSharding: bytes per device against total / devices'
                ' (1.00 = evenly sharded), replicated leaves, device bytes'
