@@ -267,8 +267,14 @@ def copy_checkpoint(src_run: str, step: int, dst_run: str) -> None:
 # ---------------------------------------------------------------- processes
 
 
+POINT_FIELDS = ('kind', 'part', 'name', 'mode', 'preset', 'seq', 'batch',
+                'devices', 'overrides', 'steps', 'at', 'mem_fraction')
+
+
 def point_key(p: dict) -> str:
-  return json.dumps({k: v for k, v in sorted(p.items()) if k != 'run_dir'})
+  """What makes a point (a record with the same key is reused); not the
+  run dir, not the results."""
+  return json.dumps([p.get(k) for k in POINT_FIELDS])
 
 
 def child_env(n: int, backend: str, mem_fraction: float) -> dict:
