@@ -9,13 +9,15 @@ CPU), with mesh data=1, fsdp=n, tensor=1 and NCCL_NVLS_ENABLE=0. Parts
   equal    bf16 and coat (benchmarks/train_modes.py's overrides, as
            benchmarks/e2e.py) at --batch-per-device x N, on N devices
   gather   coat with model.fp8_weight_gather=true at that batch
-  max      each of those runs' largest batch (e2e.search_max_batch)
-  scaling  coat and bf16 at --batch-per-device on 1, 2, 4, 8 devices (<= N)
-  big      --big-preset (Llama-2-13B dimensions) bf16 and coat on N >= 4
   restore  train --restore-preset on min(4, N) devices, checkpoint at
            --restore-at, restore it on each fewer power-of-two device count
            down to 1, continue, and compare the losses with the
            uninterrupted run
+  max      bf16's and coat's largest batch on N devices
+           (e2e.search_max_batch, from 2 x the equal batch)
+  scaling  bf16 and coat at --batch-per-device on 1, 2, 4, 8 devices (< N;
+           N is the equal part's point)
+  big      --big-preset (Llama-2-13B dimensions) bf16 and coat on N >= 4
 
 A train point records tokens/s per device (median step after >= 2 s of
 warm-up), peak memory per device (max over devices of memory_stats()),
@@ -50,7 +52,7 @@ from benchmarks import e2e
 # The parent process never imports jax (see benchmarks/e2e.py).
 
 RESULT = 'FSDP_RESULT '
-PARTS = ('equal', 'gather', 'max', 'scaling', 'big', 'restore')
+PARTS = ('equal', 'gather', 'restore', 'max', 'scaling', 'big')
 GATHER_RUN = ('coat_fp8_gather', 'coat', ['model.fp8_weight_gather=true'])
 
 # ---------------------------------------------------------------- HLO
@@ -408,7 +410,7 @@ def plan(sweep: Sweep, args, n: int) -> None:
     elif part == 'gather':
       train(part, GATHER_RUN[0], args.preset, n, equal)
     elif part == 'max':
-      for name in [*runs, GATHER_RUN[0]]:
+      for name in runs:
         best = e2e.search_max_batch(
             lambda b, name=name: train('max', name, args.preset, n, b)[
                 'status'] == 'ok', 2 * equal, multiple=n,
@@ -416,6 +418,8 @@ def plan(sweep: Sweep, args, n: int) -> None:
         print(f'  {name}: largest batch {best}', flush=True)
     elif part == 'scaling':
       for devices in [d for d in (1, 2, 4, 8) if d <= n]:
+        if devices == n and 'equal' in args.parts:
+          continue  # the equal part's points
         for name in runs:
           train(part, name, args.preset, devices,
                 args.batch_per_device * devices)
@@ -496,6 +500,10 @@ def _scaling_rows(trains: list[dict]) -> list[str]:
   """tokens/s/device of each run by device count (part 'scaling'), and
   the efficiency against its 1-device point."""
   rs = [r for r in trains if r['part'] == 'scaling' and r['status'] == 'ok']
+  per_device = {r['batch'] // r['devices'] for r in rs}
+  rs += [r for r in trains if r['part'] == 'equal' and r['status'] == 'ok'
+         and r['batch'] // r['devices'] in per_device
+         and r['name'] in {s['name'] for s in rs}]
   if not rs:
     return []
   counts = sorted({r['devices'] for r in rs})
@@ -569,8 +577,9 @@ def tables(records: list[dict]) -> str:
                ' in use after placing the state:\n')
     out.append('| run | devices | params GiB | per device x devices / total'
                ' | opt state GiB | per device x devices / total |'
-               ' replicated leaves (MiB) | in use after init GiB/device |')
-    out.append('|---' * 8 + '|')
+               ' replicated leaves (MiB) | in use after init GiB/device |'
+               ' (params + opt state) / devices GiB |')
+    out.append('|---' * 9 + '|')
     for r in proofs:
       s, n = r['sharding'], r['devices']
       rep = s['params']['replicated'] + s['opt_state']['replicated']
@@ -581,7 +590,8 @@ def tables(records: list[dict]) -> str:
           f' {_gib(s["opt_state"]["total"])} |'
           f' {s["opt_state"]["per_device"] * n / s["opt_state"]["total"]:.2f}'
           f' | {len(rep)} ({sum(x[2] for x in rep) / 2**20:.1f}) |'
-          f' {_gib(r.get("bytes_in_use_after_init"))} |')
+          f' {_gib(r.get("bytes_in_use_after_init"))} |'
+          f' {_gib((s["params"]["total"] + s["opt_state"]["total"]) / n)} |')
     out.append('\nCollectives of the compiled step (count, MiB per device,'
                ' of which inside loops):\n')
     kinds = sorted({k for r in proofs for k in r['collectives']})

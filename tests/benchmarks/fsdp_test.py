@@ -102,7 +102,7 @@ def test_scaling_and_fp8_gather_tables():
              _train('coat', 1, 1, 1100.0, 9 * 2**30, part='scaling'),
              _train('coat', 2, 2, 1045.0, 9 * 2**30, part='scaling')]
   text = fsdp.tables(records)
-  assert '| coat | 1,100 (1.00x) | 1,045 (0.95x) |' in text
+  assert '| coat | 1,100 (1.00x) | 1,045 (0.95x) | 1,000 (0.91x) |' in text
   assert ('| llama2_7b | 8 | 8 | 1,000 | 1,200 | 1.20x | f32 2048.0 |'
           ' f8e4m3fn 512.0 |') in text
 
