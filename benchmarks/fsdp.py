@@ -129,16 +129,28 @@ def partitioned_hlo(lowered) -> tuple:
   behind the all-gather and keeps all-reduces where GPUs make
   reduce-scatters).
   """
-  with tempfile.TemporaryDirectory(prefix='fsdp_hlo_') as d:
-    compiled = lowered.compile(compiler_options={
-        'xla_dump_to': d, 'xla_dump_hlo_as_text': True,
-        'xla_dump_hlo_pass_re': 'spmd-partitioning'})
-    paths = glob.glob(os.path.join(d, '*after_spmd-partitioning*.txt'))
-    if not paths:
-      raise RuntimeError(f'no SPMD-partitioned HLO dumped in {d}:'
-                         f' {os.listdir(d)[:10]}')
-    with open(sorted(paths)[-1]) as f:
-      return compiled, f.read()
+  import jax  # noqa: PLC0415
+
+  # A persistent-cache hit would compile nothing, and so dump nothing.
+  cache = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  try:
+    with tempfile.TemporaryDirectory(prefix='fsdp_hlo_') as d:
+      compiled = lowered.compile(compiler_options={
+          'xla_dump_to': d, 'xla_dump_hlo_as_text': True,
+          'xla_dump_hlo_pass_re': 'spmd-partitioning'})
+      return compiled, _read_partitioned(d)
+  finally:
+    jax.config.update('jax_enable_compilation_cache', cache)
+
+
+def _read_partitioned(d: str) -> str:
+  paths = glob.glob(os.path.join(d, '*after_spmd-partitioning*.txt'))
+  if not paths:
+    raise RuntimeError(f'no SPMD-partitioned HLO dumped in {d}:'
+                       f' {os.listdir(d)[:10]}')
+  with open(sorted(paths)[-1]) as f:
+    return f.read()
 
 
 def sharded_bytes(tree) -> dict:
