@@ -96,9 +96,9 @@ def collectives(hlo: str) -> list[dict]:
       continue
     arrays = [(dtype, tuple(int(s) for s in dims.split(',') if s))
               for dtype, dims in _ARRAY.findall(m.group('type'))]
-    if m.group('kind') != 'all-reduce' and '-start(' in line and len(
-        arrays) > 1:
-      arrays = arrays[-1:]  # (operand, result) of an async start
+    if (m.group('kind') != 'all-reduce' and '-start(' in line
+        and len(arrays) % 2 == 0):
+      arrays = arrays[len(arrays) // 2:]  # ((operands), (results))
     op = _OP_NAME.search(line)
     out.append(dict(
         kind=m.group('kind'), arrays=arrays,

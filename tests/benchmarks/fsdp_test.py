@@ -17,6 +17,7 @@ ENTRY %main.1 (a: f32[8,32]) -> f32[] {
   %tok = s32[8,32,1]{2,1,0} all-gather(%x), dimensions={0}, metadata={op_name="jit(train_step)/jvp(jit(_take))/gather"}
   %ags = (f32[16,64]{1,0}, f32[128,64]{1,0}) all-gather-start(%w), dimensions={0}
   %rs = bf16[16,64]{1,0} reduce-scatter(%g), dimensions={0}
+  %two = ((f32[16,64]{1,0}, bf16[8]{0}), (f32[128,64]{1,0}, bf16[64]{0})) all-gather-start(%w, %v), dimensions={0}
   ROOT %r = f32[] all-reduce(%l), to_apply=%add
 }
 """  # noqa: E501 (HLO lines as XLA prints them)
@@ -27,12 +28,14 @@ def test_collectives_by_kind_dtype_bytes_and_place():
   assert [(c['kind'], c['dtype'], c['entry']) for c in colls] == [
       ('all-gather', 'f8e4m3fn', False), ('all-reduce', 'f32', False),
       ('all-gather', 's32', True), ('all-gather', 'f32', True),
-      ('reduce-scatter', 'bf16', True), ('all-reduce', 'f32', True)]
+      ('reduce-scatter', 'bf16', True), ('all-gather', 'f32', True),
+      ('all-reduce', 'f32', True)]
   assert colls[0]['bytes'] == 128 * 64
   assert colls[0]['op_name'].endswith('sharding_constraint')
   assert colls[1]['bytes'] == 128 * 64 * 4 + 4 + 128 * 2
   assert colls[3]['arrays'] == [('f32', (128, 64))]  # an async start's result
   assert colls[4]['bytes'] == 16 * 64 * 2
+  assert colls[5]['arrays'] == [('f32', (128, 64)), ('bf16', (64,))]
   summary = fsdp.summarize(colls)
   assert summary['all-gather f8e4m3fn'] == dict(count=1, bytes=8192,
                                                  in_loops=1)

@@ -204,3 +204,32 @@ def test_checkpoint_from_4_devices_trains_on_with_2_and_1(tiny_config,
     np.testing.assert_allclose([losses[4], losses[5]],
                                [expected[4], expected[5]], rtol=2e-3,
                                err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('gather', [False, True])
+def test_gpus_gather_layer_weights_and_reduce_scatter_grads(tiny_config,
+                                                            gather):
+  """On 2+ GPUs, the compiled step (after every XLA:GPU pass): each layer's
+  weights all-gathered as float32, or as 1-byte FP8 codes with
+  model.fp8_weight_gather, and the gradients reduce-scattered."""
+  n = jax.device_count()
+  if n < 2 or 8 % n:
+    pytest.skip(f'needs 2, 4 or 8 GPUs; found {n}')
+  # vocab 512: the LM head's shape differs from every layer weight's.
+  config = _config(tiny_config, n, model={'fp8_weight_gather': gather,
+                                          'vocab_size': 512})
+  setup = training.build(config, jax.devices())
+  batch = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+  with jax.set_mesh(setup.mesh):
+    hlo = setup.train_step.lower(setup.abstract_state, batch,
+                                 batch).compile().as_text()
+  colls = fsdp_bench.collectives(hlo)
+  print(fsdp_bench.summarize(colls))
+  params = setup.abstract_state['params']
+  layers = {tuple(sorted(s[1:])) for s in _shapes(params['layers'])
+            if len(s) == 3}
+  dtypes = {dtype for c in colls if c['kind'] == 'all-gather'
+            for dtype, shape in c['arrays'] if tuple(sorted(shape)) in layers}
+  assert dtypes == ({'f8e4m3fn'} if gather else {'f32'}), dtypes
+  assert any(c['kind'] == 'reduce-scatter' for c in colls)
