@@ -20,7 +20,9 @@ CPU), with mesh data=1, fsdp=n, tensor=1 and NCCL_NVLS_ENABLE=0. Parts
   big      --big-preset (Llama-2-13B dimensions) bf16 and coat on N >= 4
 
 A train point records tokens/s per device (median step after >= 2 s of
-warm-up), peak memory per device (max over devices of memory_stats()),
+warm-up), peak memory per device (max over devices of memory_stats(),
+leaving out device 0, which also held the unsharded params at their
+initialization; all devices' peaks are in the record),
 device bytes in use after placing the state, the state's sharding (bytes
 per device against total / n, and the replicated leaves) and the compiled
 step's collectives by kind and dtype (`collectives`, also used by
@@ -234,13 +236,17 @@ def run_train_point(p: dict) -> dict:
   peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use')
            for d in devices]
   n = len(devices)
+  # Device 0 also held the whole float32 params while they were made
+  # (eagerly, then placed): its peak may be that, not the step's.
+  step_peaks = peaks[1:] if n > 1 else peaks
   tokens_per_s = p['batch'] * p['seq'] / seconds
   flops = e2e.model_flops(cfg, p['batch'], p['seq'])
   return dict(
       device=devices[0].device_kind, jax=jax.__version__, step_ms=seconds
       * 1e3, tokens_per_s=tokens_per_s / n, tokens_per_s_total=tokens_per_s,
       model_tflops=flops / seconds / 1e12 / n,
-      peak_bytes=max(peaks) if all(peaks) else None,
+      peak_bytes=max(step_peaks) if all(step_peaks) else None,
+      peak_bytes_per_device=peaks,
       bytes_in_use_after_init=max(in_use) if all(in_use) else None,
       compile_s=compile_s, loss=loss, sharding=placed, collectives=hlo)
 
