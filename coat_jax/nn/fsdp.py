@@ -17,6 +17,7 @@ all-gather does).
 """
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from coat_jax.nn import partitioning
@@ -86,6 +87,10 @@ def gather_fp8_weight(values: jax.Array,
   if 'fsdp' not in local:
     return values
   # Without the first constraint the partitioner may move the replicated
-  # placement back through the cast and gather float32 after all.
-  values = jax.lax.with_sharding_constraint(values, P(*local))
-  return jax.lax.with_sharding_constraint(values, P())
+  # placement back through the cast and gather float32 after all. The codes
+  # travel as uint8: backends without FP8 collectives (XLA:CPU) would
+  # widen FP8 to 16 bits.
+  codes = jax.lax.bitcast_convert_type(values, jnp.uint8)
+  codes = jax.lax.with_sharding_constraint(codes, P(*local))
+  codes = jax.lax.with_sharding_constraint(codes, P())
+  return jax.lax.bitcast_convert_type(codes, values.dtype)

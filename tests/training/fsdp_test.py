@@ -63,9 +63,10 @@ def _partitioned_step(config):
   batch = jax.ShapeDtypeStruct(
       (config.train.batch_size, config.data.seq_len), jnp.int32)
   with jax.set_mesh(setup.mesh):
-    _, hlo = fsdp_bench.partitioned_hlo(
+    compiled, hlo = fsdp_bench.partitioned_hlo(
         setup.train_step.lower(setup.abstract_state, batch, batch))
-  return setup, fsdp_bench.collectives(hlo)
+  return (setup, fsdp_bench.collectives(hlo),
+          fsdp_bench.collectives(compiled.as_text()))
 
 
 @pytest.mark.parametrize('gather', [False, True])
@@ -73,20 +74,20 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
   """The SPMD-partitioned step (before XLA:CPU's backend passes):
 
   - each layer's 7 weights are all-gathered once in the forward loop body
-    and once in the backward one, float32 shards, or FP8 codes with
-    model.fp8_weight_gather; nothing else is all-gathered but the LM head
+    and once in the backward one, float32 shards, or FP8 codes (as uint8)
+    with model.fp8_weight_gather; nothing else is all-gathered but the LM head
     (BF16, in the loss' chunk loop, and float32 with the embedding outside
     the loops) and the token ids of the embedding's gradient;
   - each weight's gradient is summed over the devices once per layer. The
     CPU partitioner emits all-reduce (each device then keeps its slice); on
     GPUs XLA rewrites all-reduce + dynamic-slice into reduce-scatter;
   - no optimizer state moves: no collective of FP8 codes but the gathered
-    weights, none of a stacked (layers, ...) array;
+    weights', none of a stacked (layers, ...) array;
   - activations move only where the embedding table (sharded on its hidden
     axis) is looked up: one all-to-all forward, one backward.
   """
   config = _config(tiny_config, 8, model={'fp8_weight_gather': gather})
-  setup, colls = _partitioned_step(config)
+  setup, colls, final = _partitioned_step(config)
   params = setup.abstract_state['params']
   layers = [tuple(sorted(s[1:])) for s in _shapes(params['layers'])
             if len(s) == 3]
@@ -97,7 +98,7 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
   print(fsdp_bench.summarize(colls))
   assert set(kinds) <= {'all-gather', 'all-reduce', 'all-to-all'}, kinds
 
-  weight_dtype = 'f8e4m3fn' if gather else 'f32'
+  weight_dtype = 'u8' if gather else 'f32'
   gathered = collections.Counter()
   for c in colls:
     if c['kind'] != 'all-gather':
@@ -114,6 +115,10 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
       assert dtype == weight_dtype, c
       gathered[shape] += 1
   assert gathered == collections.Counter(layers * 2)
+  # XLA:CPU's later passes keep the dtype of the gathered weights.
+  assert {c['dtype'] for c in final if c['kind'] == 'all-gather'
+          and not c['entry'] and tuple(sorted(c['arrays'][0][1])) in layers
+          } == {weight_dtype}
 
   reduced = collections.Counter(
       tuple(sorted(s)) for c in colls if c['kind'] == 'all-reduce'
@@ -124,8 +129,9 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
   for c in colls:
     for dtype, shape in c['arrays']:
       assert not (len(shape) == 3 and shape[0] == num_layers), c
-      if dtype.startswith('f8'):
-        assert gather and c['kind'] == 'all-gather' and not c['entry'], c
+      if dtype.startswith('f8') or dtype == 'u8':  # FP8 codes travel as u8
+        assert gather and dtype == 'u8' and c['kind'] == 'all-gather', c
+        assert not c['entry'], c
   moved = [c for c in colls if c['kind'] == 'all-to-all']
   assert len(moved) == 2 and all(
       c['entry'] and '_take' in c['op_name'] for c in moved), moved
@@ -211,7 +217,7 @@ def test_checkpoint_from_4_devices_trains_on_with_2_and_1(tiny_config,
 def test_gpus_gather_layer_weights_and_reduce_scatter_grads(tiny_config,
                                                             gather):
   """On 2+ GPUs, the compiled step (after every XLA:GPU pass): each layer's
-  weights all-gathered as float32, or as 1-byte FP8 codes with
+  weights all-gathered as float32, or as 1-byte FP8 codes (uint8) with
   model.fp8_weight_gather, and the gradients reduce-scattered."""
   n = jax.device_count()
   if n < 2 or 8 % n:
@@ -231,5 +237,5 @@ def test_gpus_gather_layer_weights_and_reduce_scatter_grads(tiny_config,
             if len(s) == 3}
   dtypes = {dtype for c in colls if c['kind'] == 'all-gather'
             for dtype, shape in c['arrays'] if tuple(sorted(shape)) in layers}
-  assert dtypes == ({'f8e4m3fn'} if gather else {'f32'}), dtypes
+  assert dtypes == ({'u8'} if gather else {'f32'}), dtypes
   assert any(c['kind'] == 'reduce-scatter' for c in colls)
