@@ -133,17 +133,21 @@ def partitioned_hlo(lowered) -> tuple:
   """
   import jax  # noqa: PLC0415
 
-  # A persistent-cache hit would compile nothing, and so dump nothing.
-  cache = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
+  # A persistent-cache hit would compile nothing, and so dump nothing: the
+  # dump-only option xla_dump_large_constants (unlike the other xla_dump_*
+  # ones) is part of the cache key, so no plain compile matches, and these
+  # compiles are never written to the cache.
+  least = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 1e9)
   try:
     with tempfile.TemporaryDirectory(prefix='fsdp_hlo_') as d:
       compiled = lowered.compile(compiler_options={
           'xla_dump_to': d, 'xla_dump_hlo_as_text': True,
-          'xla_dump_hlo_pass_re': 'spmd-partitioning'})
+          'xla_dump_hlo_pass_re': 'spmd-partitioning',
+          'xla_dump_large_constants': True})
       return compiled, _read_partitioned(d)
   finally:
-    jax.config.update('jax_enable_compilation_cache', cache)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', least)
 
 
 def _read_partitioned(d: str) -> str:

@@ -1,8 +1,9 @@
 """FSDP placement hints: batch-sharded activations, FP8 weight all-gathers.
 
 Both act only under a mesh (`jax.set_mesh`) with the ('data', 'fsdp',
-'tensor') axes of `coat_jax.training.sharding`; elsewhere (one device, no
-mesh, other axis names) they return their input unchanged.
+'tensor') Auto axes of `coat_jax.training.sharding`; elsewhere (one device,
+no mesh, other axis names, Explicit axes) they return their input
+unchanged.
 
 With weights sharded over 'fsdp' and nothing pinning the activations, XLA's
 partitioner may keep the weights in place and shard the activations' feature
@@ -12,8 +13,8 @@ all-gathers its weights, as FSDP means.
 
 `gather_fp8_weight` all-gathers FP8 codes: the float32 weight shards are
 quantized where they are (the per-tensor amax is a scalar all-reduce) and the
-1-byte codes are gathered instead of 4-byte params (what torchao's FP8
-all-gather does).
+1-byte codes (as uint8) are gathered instead of 4-byte params (what torchao's
+FP8 all-gather does).
 """
 
 import jax
@@ -27,10 +28,13 @@ TENSOR_AXIS = 'tensor'
 
 
 def _mesh():
-  """The active abstract mesh if it has the FSDP axes, else None."""
+  """The active abstract mesh if it has the FSDP axes, all of type Auto
+  (as `coat_jax.training.sharding.make_mesh` makes them), else None."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
     return None
+  if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return None  # Explicit axes: shardings are the arrays' types already.
   return mesh
 
 

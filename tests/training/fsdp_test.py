@@ -180,6 +180,22 @@ def test_gather_fp8_weight_outside_fsdp_is_the_identity():
     assert y.sharding.is_fully_replicated and y.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(np.asarray(y, np.float32),
                                   np.asarray(codes, np.float32))
+  explicit = jax.make_mesh((2, 4, 1), ('data', 'fsdp', 'tensor'),
+                           axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+  with jax.set_mesh(explicit):  # shardings are in the types: left alone
+    assert fsdp.gather_fp8_weight(x, ('embed', 'mlp')) is x
+    acts = jnp.ones((8, 4))
+    assert fsdp.shard_batch(acts) is acts
+
+
+def test_shard_batch_pins_the_batch_axis():
+  mesh = sharding.make_mesh((2, 4, 1))
+  with jax.set_mesh(mesh):
+    y = jax.jit(fsdp.shard_batch)(jnp.ones((8, 3, 4)))
+    assert y.sharding.is_equivalent_to(jax.NamedSharding(
+        mesh, P(('data', 'fsdp'), None, None)), 3)
+    odd = jnp.ones((6, 4))  # 6 rows do not divide over 8 devices
+    assert fsdp.shard_batch(odd) is odd
 
 
 def _losses(run_dir):
