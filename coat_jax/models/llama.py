@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from coat_jax.models import remat as remat_lib
 from coat_jax.models.loss import chunked_cross_entropy
+from coat_jax.nn import fsdp
 from coat_jax.nn import linear
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
@@ -208,12 +209,13 @@ class Attention(nnx.Module):
   """Causal GQA self-attention with RoPE; projections are CoatLinear."""
 
   def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
-               param_dtype: Any, implementation: str | None, rngs: nnx.Rngs,
+               param_dtype: Any, implementation: str | None,
+               fp8_weight_gather: bool = False, rngs: nnx.Rngs,
                scaling: str = 'tensor'):
     h, d = config.hidden_size, config.head_dim
     kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
               precision=precision, implementation=implementation,
-              scaling=scaling,
+              scaling=scaling, fp8_weight_gather=fp8_weight_gather,
               kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs)
     self.q_proj = linear.CoatLinear(
         h, config.num_heads * d, kernel_axes=('embed', 'heads'), **kw)
@@ -246,21 +248,23 @@ class DecoderLayer(nnx.Module):
   """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
   def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
-               param_dtype: Any, implementation: str | None, rngs: nnx.Rngs,
+               param_dtype: Any, implementation: str | None,
+               fp8_weight_gather: bool = False, rngs: nnx.Rngs,
                scaling: str = 'tensor'):
     kw = dict(precision=precision, dtype=dtype, param_dtype=param_dtype)
+    gather = dict(implementation=implementation,
+                  fp8_weight_gather=fp8_weight_gather)
     self.attn_norm = CoatRMSNorm(
         config.hidden_size, epsilon=config.rms_norm_eps, scale_axes=('norm',),
         rngs=rngs, **kw)
-    self.attn = Attention(config, implementation=implementation, rngs=rngs,
-                          scaling=scaling, **kw)
+    self.attn = Attention(config, rngs=rngs, scaling=scaling, **gather, **kw)
     self.mlp_norm = CoatRMSNorm(
         config.hidden_size, epsilon=config.rms_norm_eps, scale_axes=('norm',),
         rngs=rngs, **kw)
     self.mlp = CoatMLP(
         config.hidden_size, config.intermediate_size,
         kernel_init=nnx.initializers.normal(config.init_std),
-        implementation=implementation, scaling=scaling, rngs=rngs, **kw)
+        rngs=rngs, scaling=scaling, **gather, **kw)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """(B, S, H) bf16 residual stream -> same."""
@@ -278,13 +282,16 @@ class Llama(nnx.Module):
     param_dtype: parameter dtype (float32 master weights).
     implementation: `fp8_matmul` implementation ('xla', 'pallas',
       'triton', None).
+    fp8_weight_gather: under an FSDP mesh, all-gather the FP8 codes of the
+      weights, not their float32 shards (FP8 modes; `coat_jax.nn.fsdp`).
     rngs: random number generators.
     scaling: FP8 scaling of the linear layers, 'tensor' or 'block'.
   """
 
   def __init__(self, config: LlamaConfig, *, precision: str = 'coat',
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
-               implementation: str | None = None, rngs: nnx.Rngs,
+               implementation: str | None = None,
+               fp8_weight_gather: bool = False, rngs: nnx.Rngs,
                scaling: str = 'tensor'):
     precision_lib.check_precision(precision)
     precision_lib.check_scaling(scaling)
@@ -310,7 +317,8 @@ class Llama(nnx.Module):
     def make_layers(rngs):
       return DecoderLayer(config, precision=precision, dtype=dtype,
                           param_dtype=param_dtype,
-                          implementation=implementation, rngs=rngs,
+                          implementation=implementation,
+                          fp8_weight_gather=fp8_weight_gather, rngs=rngs,
                           scaling=scaling)
 
     self.layers = make_layers(rngs)
@@ -338,7 +346,10 @@ class Llama(nnx.Module):
   def hidden_states(self, tokens: jax.Array) -> jax.Array:
     """int tokens (B, S) -> final normed hidden states (B, S, H) in dtype."""
     seq = _check_tokens(tokens, self.config)
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+    # Under an FSDP mesh the residual stream stays batch-sharded, so each
+    # layer gathers its weights rather than moving activations.
+    x = fsdp.shard_batch(
+        jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype))
     cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta,
                            self.config.rope_scaling)
 
@@ -348,13 +359,13 @@ class Llama(nnx.Module):
     if scan:
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
       def run_layers(x, layer):
-        return apply_layer(layer, x)
+        return fsdp.shard_batch(apply_layer(layer, x))
 
       return self.norm(run_layers(x, self.layers))
     graphdef, stacked = nnx.split(self.layers)
     for i in range(self.config.num_layers):
       layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
-      x = apply_layer(layer, x)
+      x = fsdp.shard_batch(apply_layer(layer, x))
     return self.norm(x)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:

@@ -22,6 +22,7 @@ serves W and W^T). Tokens are padded to a multiple of 128 there.
 """
 
 from collections.abc import Sequence
+import dataclasses
 import functools
 from types import MappingProxyType
 from typing import Any
@@ -30,6 +31,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from coat_jax.nn import fsdp
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
@@ -44,10 +46,20 @@ default_bias_init = nnx.initializers.zeros_init()
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_dense_2d(x, kernels, implementation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_dense_2d(x, kernels, implementation, gather_axes):
   """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0."""
-  return _fp8_dense_fwd(x, kernels, implementation)[0]
+  return _fp8_dense_fwd(x, kernels, implementation, gather_axes)[0]
+
+
+def _quantize_weight(w, gather_axes, i):
+  """Per-tensor E4M3 weight i; with gather_axes the FSDP all-gather moves
+  the FP8 codes of the local shards, not the float32 weight."""
+  wq = quantize_per_tensor(w, 'e4m3')
+  if gather_axes is not None:
+    wq = dataclasses.replace(
+        wq, values=fsdp.gather_fp8_weight(wq.values, gather_axes[i]))
+  return wq
 
 
 def _quantize_with_transpose(x, dtype):
@@ -57,11 +69,11 @@ def _quantize_with_transpose(x, dtype):
                                           implementation=None)
 
 
-def _fp8_dense_fwd(x, kernels, implementation):
+def _fp8_dense_fwd(x, kernels, implementation, gather_axes):
   x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
   outs = []
-  for w in kernels:
-    wq = quantize_per_tensor(w, 'e4m3')
+  for i, w in enumerate(kernels):
+    wq = _quantize_weight(w, gather_axes, i)
     outs.append(fp8_matmul(
         x_values, wq.values.T, x_scale, wq.scale, out_dtype=x.dtype,
         implementation=implementation))
@@ -69,15 +81,15 @@ def _fp8_dense_fwd(x, kernels, implementation):
   return tuple(outs), (name_fp8_residuals((x_t, x_scale)) + (kernels,))
 
 
-def _fp8_dense_bwd(implementation, residuals, grads):
+def _fp8_dense_bwd(implementation, gather_axes, residuals, grads):
   x_t, x_scale, kernels = residuals
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
-  for w, g in zip(kernels, grads, strict=True):
+  for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
     g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
-    wq = quantize_per_tensor(w, 'e4m3')
+    wq = _quantize_weight(w, gather_axes, i)
     part = fp8_matmul(g_values, wq.values, g_scale, wq.scale,
                       out_dtype=dgrad_dtype, implementation=implementation)
     dx = part if dx is None else dx + part
@@ -93,14 +105,14 @@ _fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
 BLOCK_TOKENS = block_quant.TILE
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_dense_block_2d(x, kernels, implementation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_dense_block_2d(x, kernels, implementation, gather_axes):
   """Block-scaled `_fp8_dense_2d`: (M, K) x (K, N_i) -> (M, N_i), any M.
 
   The tokens are zero-padded to a multiple of 128 inside (zero rows add
   nothing to wgrad), so the padding leaves nothing else saved.
   """
-  return _fp8_dense_block_fwd(x, kernels, implementation)[0]
+  return _fp8_dense_block_fwd(x, kernels, implementation, gather_axes)[0]
 
 
 def _pad_tokens(a):
@@ -117,21 +129,24 @@ def _tiles_with_transpose(x, dtype, transpose_block=(1, block_quant.TILE)):
       transpose_block=transpose_block, implementation=None)
 
 
-def _weight_blocks(w):
+def _weight_blocks(w, gather_axes, i):
   """W (K, N) in E4M3 128x128 blocks: (values (K, N), scales (K/128, N/128));
-  W^T's blocks are the transposed ones."""
+  W^T's blocks are the transposed ones. With gather_axes the FSDP
+  all-gather moves the FP8 codes (as `_quantize_weight`)."""
   values, scales, _, _ = block_quant.quantize_blockwise(
       w, (block_quant.TILE, block_quant.TILE), 'e4m3', implementation=None)
+  if gather_axes is not None:
+    values = fsdp.gather_fp8_weight(values, gather_axes[i])
   return values, scales
 
 
-def _fp8_dense_block_fwd(x, kernels, implementation):
+def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes):
   rows = x.shape[0]
   x_values, x_scales, x_t, x_t_scales = _tiles_with_transpose(
       _pad_tokens(x), 'e4m3')
   outs = []
-  for w in kernels:
-    w_values, w_scales = _weight_blocks(w)
+  for i, w in enumerate(kernels):
+    w_values, w_scales = _weight_blocks(w, gather_axes, i)
     outs.append(fp8_matmul(
         x_values, w_values.T, x_scales, w_scales.T, out_dtype=x.dtype,
         implementation=implementation)[:rows])
@@ -139,19 +154,19 @@ def _fp8_dense_block_fwd(x, kernels, implementation):
   return tuple(outs), (name_fp8_residuals((x_t, x_t_scales)) + (kernels,))
 
 
-def _fp8_dense_block_bwd(implementation, residuals, grads):
+def _fp8_dense_block_bwd(implementation, gather_axes, residuals, grads):
   x_t, x_t_scales, kernels = residuals
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
   rows = grads[0].shape[0]
-  for w, g in zip(kernels, grads, strict=True):
+  for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
     # g^T, wgrad's B operand, in 128x128 blocks: the block-scaled GEMM runs
     # per-row B scales at 0.6x the speed of per-block ones (NOTES.md).
     g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
         _pad_tokens(g), 'e5m2', (block_quant.TILE, block_quant.TILE))
-    w_values, w_scales = _weight_blocks(w)
+    w_values, w_scales = _weight_blocks(w, gather_axes, i)
     # dgrad: K of the GEMM is N; b = W (K, N) with W's own blocks.
     part = fp8_matmul(g_values, w_values, g_scales, w_scales,
                       out_dtype=dgrad_dtype, implementation=implementation)
@@ -183,6 +198,7 @@ def _check_dense_args(x, kernels) -> None:
 def fp8_dense(
     x: jax.Array, kernels: Sequence[jax.Array], *,
     implementation: str | None = None, scaling: str = 'tensor',
+    gather_axes: tuple[tuple[str | None, ...] | None, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
   """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
 
@@ -195,6 +211,10 @@ def fp8_dense(
     scaling: 'tensor' (per-tensor current scaling, COAT's paper) or 'block'
       (1x128 tiles for x and the output gradients, 128x128 weight blocks;
       see the module doc).
+    gather_axes: None, or the logical axis names of each kernel: under an
+      FSDP mesh, all-gather the kernels' FP8 codes
+      (`coat_jax.nn.fsdp.gather_fp8_weight`) instead of float32 shards;
+      the results are the same.
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
@@ -213,13 +233,16 @@ def fp8_dense(
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
   rows = x2.shape[0]
+  if gather_axes is not None and len(gather_axes) != len(kernels):
+    raise ValueError(f'gather_axes names {len(gather_axes)} kernels; there'
+                     f' are {len(kernels)} (one tuple of axis names each).')
   if scaling == 'block':  # pads the tokens itself
-    outs = _fp8_dense_block_2d(x2, kernels, implementation)
+    outs = _fp8_dense_block_2d(x2, kernels, implementation, gather_axes)
     return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
   pad = -rows % precision_lib.FP8_MULTIPLE
   if pad:  # FP8 GEMMs tile M by 16; zero rows add nothing to wgrad.
     x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-  outs = _fp8_dense_2d(x2, kernels, implementation)
+  outs = _fp8_dense_2d(x2, kernels, implementation, gather_axes)
   return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
 
 
@@ -236,17 +259,18 @@ def bf16_dense(
 def dense(
     x: jax.Array, kernels: Sequence[jax.Array], *, precision: str,
     dtype: Any = jnp.bfloat16, implementation: str | None = None,
-    scaling: str = 'tensor',
+    scaling: str = 'tensor', gather_axes: Any = None,
 ) -> tuple[jax.Array, ...]:
   """`x @ w` for each kernel, with the implementation of `precision`.
 
   'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense` with
-  `scaling`. x is cast to `dtype` first; outputs are in `dtype`.
+  `scaling` and `gather_axes` (BF16 matmuls ignore them). x is cast to
+  `dtype` first; outputs are in `dtype`.
   """
   x = x.astype(dtype)
   if precision_lib.uses_fp8_matmuls(precision):
     return fp8_dense(x, kernels, implementation=implementation,
-                     scaling=scaling)
+                     scaling=scaling, gather_axes=gather_axes)
   return bf16_dense(x, kernels, dtype=dtype)
 
 
@@ -272,6 +296,8 @@ class CoatLinear(nnx.Module):
     implementation: `fp8_matmul` implementation ('xla', 'pallas',
       'triton', None).
     scaling: FP8 scaling granularity, 'tensor' or 'block' (see `fp8_dense`).
+    fp8_weight_gather: all-gather FSDP-sharded weights as FP8 codes (FP8
+      modes; `coat_jax.nn.fsdp.gather_fp8_weight`).
     rngs: random number generators.
     kernel_metadata: extra metadata for the kernel Param.
     bias_metadata: extra metadata for the bias Param.
@@ -291,6 +317,7 @@ class CoatLinear(nnx.Module):
       kernel_axes: tuple[str | None, ...] | None = None,
       implementation: str | None = None,
       scaling: str = 'tensor',
+      fp8_weight_gather: bool = False,
       rngs: nnx.Rngs,
       kernel_metadata: Any = MappingProxyType({}),
       bias_metadata: Any = MappingProxyType({}),
@@ -320,6 +347,8 @@ class CoatLinear(nnx.Module):
     self.precision = precision
     self.implementation = implementation
     self.scaling = scaling
+    self.fp8_weight_gather = fp8_weight_gather
+    self.kernel_axes = kernel_axes
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """(..., in_features) -> (..., out_features) in `dtype`."""
@@ -331,18 +360,25 @@ def fanout(
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
-  The layers must share precision, dtype, implementation and scaling (Q/K/V
-  or gate/up projections). Returns one output per layer.
+  The layers must share precision, dtype, implementation, scaling and
+  fp8_weight_gather (Q/K/V or gate/up projections). Returns one output per
+  layer.
   """
   first = layers[0]
-  key = lambda m: (m.precision, m.dtype, m.implementation, m.scaling)
+
+  def shared(layer):
+    return (layer.precision, layer.dtype, layer.implementation, layer.scaling,
+            layer.fp8_weight_gather)
+
   for layer in layers[1:]:
-    if key(layer) != key(first):
+    if shared(layer) != shared(first):
       raise ValueError('fanout: all layers must share precision, dtype,'
-                       ' implementation and scaling.')
+                       ' implementation, scaling and fp8_weight_gather.')
   outs = dense(x, [layer.kernel[...] for layer in layers],
                precision=first.precision, dtype=first.dtype,
-               implementation=first.implementation, scaling=first.scaling)
+               implementation=first.implementation, scaling=first.scaling,
+               gather_axes=(tuple(layer.kernel_axes for layer in layers)
+                            if first.fp8_weight_gather else None))
   return tuple(
       y + layer.bias[...].astype(y.dtype) if layer.bias is not None else y
       for y, layer in zip(outs, layers, strict=True))

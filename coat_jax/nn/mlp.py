@@ -96,6 +96,7 @@ class CoatMLP(nnx.Module):
     implementation: `fp8_matmul` implementation ('xla', 'pallas',
       'triton', None).
     scaling: FP8 scaling of the projections, 'tensor' or 'block'.
+    fp8_weight_gather: all-gather FSDP-sharded weights as FP8 (CoatLinear).
     rngs: random number generators.
   """
 
@@ -110,6 +111,7 @@ class CoatMLP(nnx.Module):
       kernel_init: Any = linear.default_kernel_init,
       implementation: str | None = None,
       scaling: str = 'tensor',
+      fp8_weight_gather: bool = False,
       rngs: nnx.Rngs,
   ):
     precision_lib.check_fp8_size('in_features', in_features, precision)
@@ -117,7 +119,8 @@ class CoatMLP(nnx.Module):
                                  precision)
     kwargs = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
                   precision=precision, kernel_init=kernel_init,
-                  implementation=implementation, scaling=scaling, rngs=rngs)
+                  implementation=implementation, scaling=scaling,
+                  fp8_weight_gather=fp8_weight_gather, rngs=rngs)
     self.gate_proj = linear.CoatLinear(
         in_features, hidden_features, kernel_axes=('embed', 'mlp'), **kwargs)
     self.up_proj = linear.CoatLinear(

@@ -18,12 +18,15 @@ from coat_jax.training.config import Config
 
 # Optimizer fields that decide the layout of the state.
 _OPTIM_LAYOUT = ('name', 'group_size', 'moment_dtypes', 'expansion')
+# Model fields that change how a step runs, not what the state holds.
+_MODEL_RUNTIME = ('fp8_weight_gather',)
 
 
 def _must_match(config: Config) -> dict:
   optim = dataclasses.asdict(config.optim)
   return {
-      'model': dataclasses.asdict(config.model),
+      'model': {k: v for k, v in dataclasses.asdict(config.model).items()
+                if k not in _MODEL_RUNTIME},
       'optim': {k: optim[k] for k in _OPTIM_LAYOUT},
       'train.seed': config.train.seed,
   }

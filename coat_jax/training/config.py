@@ -32,6 +32,10 @@ class ModelConfig:
   max_seq_len: int | None = None
   tie_embeddings: bool | None = None
   scan_layers: bool | None = None
+  # Under mesh.fsdp > 1, all-gather the FP8 codes of the weights (1 byte a
+  # param) instead of their float32 shards (FP8 precisions; off until
+  # measured on several GPUs: benchmarks/fsdp.py).
+  fp8_weight_gather: bool = False
   # A Hugging Face Llama directory (config.json + safetensors): the first
   # run starts from its weights, its config.json sets the dimensions (the
   # preset is ignored) and data.source=text uses its tokenizer.json.

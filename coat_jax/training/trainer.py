@@ -38,7 +38,8 @@ class NonFiniteError(RuntimeError):
 def llama_config(model: config_lib.ModelConfig) -> llama.LlamaConfig:
   overrides = {f.name: getattr(model, f.name)
                for f in dataclasses.fields(model)
-               if f.name not in ('preset', 'precision', 'init_from', 'scaling')
+               if f.name not in ('preset', 'precision', 'init_from', 'scaling',
+                                 'fp8_weight_gather')
                and getattr(model, f.name) is not None}
   if model.init_from is not None:
     return hf.llama_config_from_hf(hf.read_hf_config(model.init_from),
@@ -139,9 +140,10 @@ def build(config: config_lib.Config, devices=None) -> Setup:
     # Placement comes from this module's fitted rules, not from eager
     # sharding by the logical names.
     with nnx.use_eager_sharding(False):
-      return llama.Llama(model_cfg, precision=precision,
-                         scaling=config.model.scaling,
-                         rngs=nnx.Rngs(config.train.seed))
+      return llama.Llama(
+          model_cfg, precision=precision, scaling=config.model.scaling,
+          fp8_weight_gather=config.model.fp8_weight_gather,
+          rngs=nnx.Rngs(config.train.seed))
 
   abstract_model = nnx.eval_shape(make_model)
   graphdef, _ = nnx.split(abstract_model)

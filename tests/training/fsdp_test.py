@@ -1,0 +1,257 @@
+"""FSDP on 8 fake CPU devices: the state is sharded, the step's collectives
+are FSDP's, FP8 weight all-gathers change no number, and a checkpoint saved
+on 4 devices trains on with the same losses on 2 and 1."""
+
+import collections
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+from benchmarks import fsdp as fsdp_bench
+from coat_jax import training
+from coat_jax.nn import fsdp
+from coat_jax.training import sharding
+
+# hidden 128 / 8 devices = 16 per shard: whole groups of 16 on every axis,
+# so no axis is dropped from the FSDP sharding.
+MODEL = {'hidden_size': 128, 'intermediate_size': 256}
+LAYER_WEIGHTS = 7  # q, k, v, o, gate, up, down
+
+
+def _config(tiny_config, n, *, model=None, mesh=None, train=None):
+  return tiny_config(
+      model={**MODEL, **(model or {})}, optim={'group_size': 16},
+      mesh={'data': 1, 'fsdp': n, 'tensor': 1, **(mesh or {})},
+      train=train or {})
+
+
+def _shapes(tree):
+  return [tuple(x.shape) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize('n', [8, 4])
+def test_params_and_fp8_states_are_sharded(tiny_config, n):
+  """Per-device bytes = sharded bytes / n + replicated bytes, and the only
+  replicated leaves are RMSNorm scales (logical axis 'norm', kept whole),
+  their moments and the scalar step counts."""
+  setup = training.build(_config(tiny_config, n), jax.devices()[:n])
+  state = setup.init_state()
+  for key in ('params', 'opt_state'):
+    b = fsdp_bench.sharded_bytes(state[key])
+    assert b['devices'] == n
+    replicated = sum(nbytes for _, _, nbytes in b['replicated'])
+    for path, shape, _ in b['replicated']:
+      assert 'norm' in path or shape == (), (key, path, shape)
+    assert replicated < 0.02 * b['total'], b['replicated']
+    assert b['per_device'] == (b['total'] - replicated) // n + replicated
+  values = [x for path, x in jax.tree_util.tree_leaves_with_path(
+      state['opt_state']) if x.dtype == jnp.float8_e4m3fn
+            and 'norm' not in jax.tree_util.keystr(path)]
+  # FP8 mu and nu of the 7 layer kernels, the embedding and the LM head
+  # (the norms' are the replicated ones above).
+  assert len(values) == 2 * (LAYER_WEIGHTS + 2)
+  assert all(x.sharding.spec.count('fsdp') == 1 for x in values)
+
+
+def _partitioned_step(config):
+  setup = training.build(config, jax.devices())
+  batch = jax.ShapeDtypeStruct(
+      (config.train.batch_size, config.data.seq_len), jnp.int32)
+  with jax.set_mesh(setup.mesh):
+    compiled, hlo = fsdp_bench.partitioned_hlo(
+        setup.train_step.lower(setup.abstract_state, batch, batch))
+  return (setup, fsdp_bench.collectives(hlo),
+          fsdp_bench.collectives(compiled.as_text()))
+
+
+@pytest.mark.parametrize('gather', [False, True])
+def test_step_collectives_are_fsdp(tiny_config, gather):
+  """The SPMD-partitioned step (before XLA:CPU's backend passes):
+
+  - each layer's 7 weights are all-gathered once in the forward loop body
+    and once in the backward one, float32 shards, or FP8 codes (as uint8)
+    with model.fp8_weight_gather; nothing else is all-gathered but the LM head
+    (BF16, in the loss' chunk loop, and float32 with the embedding outside
+    the loops) and the token ids of the embedding's gradient;
+  - each weight's gradient is summed over the devices once per layer. The
+    CPU partitioner emits all-reduce (each device then keeps its slice); on
+    GPUs XLA rewrites all-reduce + dynamic-slice into reduce-scatter;
+  - no optimizer state moves: no collective of FP8 codes but the gathered
+    weights', none of a stacked (layers, ...) array;
+  - activations move only where the embedding table (sharded on its hidden
+    axis) is looked up: one all-to-all forward, one backward.
+  """
+  config = _config(tiny_config, 8, model={'fp8_weight_gather': gather})
+  setup, colls, final = _partitioned_step(config)
+  params = setup.abstract_state['params']
+  layers = [tuple(sorted(s[1:])) for s in _shapes(params['layers'])
+            if len(s) == 3]
+  assert len(layers) == LAYER_WEIGHTS
+  top = {tuple(sorted(params[k].shape)) for k in ('embed', 'lm_head')}
+  num_layers = params['layers']['attn']['q_proj']['kernel'].shape[0]
+  kinds = collections.Counter(c['kind'] for c in colls)
+  print(fsdp_bench.summarize(colls))
+  assert set(kinds) <= {'all-gather', 'all-reduce', 'all-to-all'}, kinds
+
+  weight_dtype = 'u8' if gather else 'f32'
+  gathered = collections.Counter()
+  for c in colls:
+    if c['kind'] != 'all-gather':
+      continue
+    (dtype, shape), = c['arrays']
+    shape = tuple(sorted(shape))
+    if dtype == 's32':
+      assert '_take' in c['op_name'], c  # token ids, for the embedding grad
+    elif c['entry']:
+      assert shape in top and dtype == 'f32', c
+    elif dtype == 'bf16':
+      assert shape == tuple(sorted(params['lm_head'].shape)), c
+    else:
+      assert dtype == weight_dtype, c
+      gathered[shape] += 1
+  assert gathered == collections.Counter(layers * 2)
+  # XLA:CPU's later passes keep the dtype of the gathered weights.
+  assert {c['dtype'] for c in final if c['kind'] == 'all-gather'
+          and not c['entry'] and tuple(sorted(c['arrays'][0][1])) in layers
+          } == {weight_dtype}
+
+  reduced = collections.Counter(
+      tuple(sorted(s)) for c in colls if c['kind'] == 'all-reduce'
+      and not c['entry'] for d, s in c['arrays'] if len(s) == 2)
+  for shape, count in collections.Counter(layers).items():
+    assert reduced[shape] >= count, (shape, reduced)
+
+  for c in colls:
+    for dtype, shape in c['arrays']:
+      assert not (len(shape) == 3 and shape[0] == num_layers), c
+      if dtype.startswith('f8') or dtype == 'u8':  # FP8 codes travel as u8
+        assert gather and dtype == 'u8' and c['kind'] == 'all-gather', c
+        assert not c['entry'], c
+  moved = [c for c in colls if c['kind'] == 'all-to-all']
+  assert len(moved) == 2 and all(
+      c['entry'] and '_take' in c['op_name'] for c in moved), moved
+
+
+def test_fp8_weight_gather_changes_no_number(tiny_config):
+  """Two steps with and without model.fp8_weight_gather on fsdp=8: the same
+  losses and params, bit for bit (the codes are cast from the same scale,
+  before or after the gather)."""
+  runs = []
+  tokens = np.random.default_rng(1).integers(0, 256, (8, 33), np.int32)
+  for gather in (False, True):
+    config = _config(tiny_config, 8, model={'fp8_weight_gather': gather})
+    setup = training.build(config, jax.devices())
+    with jax.set_mesh(setup.mesh):
+      state = setup.init_state()
+      losses = []
+      for _ in range(2):
+        state, metrics = setup.train_step(state, tokens[:, :-1],
+                                          tokens[:, 1:])
+        losses.append(float(metrics['loss']))
+    runs.append((losses, jax.tree.map(np.asarray, state['params'])))
+  (loss_off, params_off), (loss_on, params_on) = runs
+  assert np.isfinite(loss_off).all() and loss_off == loss_on
+  jax.tree.map(np.testing.assert_array_equal, params_on, params_off)
+
+
+def test_gather_fp8_weight_outside_fsdp_is_the_identity():
+  x = jnp.ones((32, 16), jnp.float8_e4m3fn)
+  assert fsdp.gather_fp8_weight(x, ('embed', 'mlp')) is x  # no mesh
+  assert fsdp.shard_batch(x) is x
+  mesh = sharding.make_mesh((1, 4, 2))
+  with jax.set_mesh(mesh):  # tensor parallel: left to the partitioner
+    assert fsdp.gather_fp8_weight(x, ('embed', 'mlp')) is x
+  mesh = sharding.make_mesh((2, 4, 1))
+  with jax.set_mesh(mesh):
+    assert fsdp.gather_fp8_weight(x, None) is x
+    assert fsdp.gather_fp8_weight(x, ('mlp', 'mlp')) is x  # no FSDP axis
+    with pytest.raises(ValueError, match='must name each'):
+      fsdp.gather_fp8_weight(x, ('embed',))
+    codes = jax.random.normal(jax.random.key(0), (32, 16)).astype(
+        jnp.float8_e4m3fn)
+    shards = jax.device_put(codes, jax.NamedSharding(mesh, P('fsdp', None)))
+    y = jax.jit(lambda v: fsdp.gather_fp8_weight(v, ('embed', 'mlp')))(
+        shards)
+    assert y.sharding.is_fully_replicated and y.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(codes, np.float32))
+  explicit = jax.make_mesh((2, 4, 1), ('data', 'fsdp', 'tensor'),
+                           axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+  with jax.set_mesh(explicit):  # shardings are in the types: left alone
+    assert fsdp.gather_fp8_weight(x, ('embed', 'mlp')) is x
+    acts = jnp.ones((8, 4))
+    assert fsdp.shard_batch(acts) is acts
+
+
+def test_shard_batch_pins_the_batch_axis():
+  mesh = sharding.make_mesh((2, 4, 1))
+  with jax.set_mesh(mesh):
+    y = jax.jit(fsdp.shard_batch)(jnp.ones((8, 3, 4)))
+    assert y.sharding.is_equivalent_to(jax.NamedSharding(
+        mesh, P(('data', 'fsdp'), None, None)), 3)
+    odd = jnp.ones((6, 4))  # 6 rows do not divide over 8 devices
+    assert fsdp.shard_batch(odd) is odd
+
+
+def _losses(run_dir):
+  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    return {r['step']: r['loss'] for r in map(json.loads, f) if 'loss' in r}
+
+
+def test_checkpoint_from_4_devices_trains_on_with_2_and_1(tiny_config,
+                                                          tmp_path):
+  """Saved at step 3 with fsdp=4, restored with fsdp=2, fsdp=1 and data=2:
+  steps 4-5 give the uninterrupted run's losses up to the reduction order
+  of other shardings (2e-3 relative, as the mesh test in train_test.py)."""
+  ref = str(tmp_path / 'fsdp4')
+  training.train(_config(tiny_config, 4, train={
+      'steps': 5, 'checkpoint_every': 3, 'run_dir': ref}),
+      devices=jax.devices()[:4])
+  expected = _losses(ref)
+  for name, n, mesh in [('fsdp2', 2, {}), ('fsdp1', 1, {}),
+                        ('data2', 1, {'data': 2})]:
+    run = str(tmp_path / name)
+    fsdp_bench.copy_checkpoint(ref, 3, run)
+    devices = jax.devices()[:n * mesh.get('data', 1)]
+    summary = training.train(_config(tiny_config, n, mesh=mesh, train={
+        'steps': 5, 'checkpoint_every': 3, 'run_dir': run}), devices=devices)
+    assert summary['resumed_from'] == 3 and summary['step'] == 5, name
+    losses = _losses(run)
+    assert sorted(losses) == [4, 5], (name, losses)
+    np.testing.assert_allclose([losses[4], losses[5]],
+                               [expected[4], expected[5]], rtol=2e-3,
+                               err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('gather', [False, True])
+def test_gpus_gather_layer_weights_and_reduce_scatter_grads(tiny_config,
+                                                            gather):
+  """On 2+ GPUs, the compiled step (after every XLA:GPU pass): each layer's
+  weights all-gathered as float32, or as 1-byte FP8 codes (uint8) with
+  model.fp8_weight_gather, and the gradients reduce-scattered."""
+  n = jax.device_count()
+  if n < 2 or 8 % n:
+    pytest.skip(f'needs 2, 4 or 8 GPUs; found {n}')
+  # vocab 512: the LM head's shape differs from every layer weight's.
+  config = _config(tiny_config, n, model={'fp8_weight_gather': gather,
+                                          'vocab_size': 512})
+  setup = training.build(config, jax.devices())
+  batch = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+  with jax.set_mesh(setup.mesh):
+    hlo = setup.train_step.lower(setup.abstract_state, batch,
+                                 batch).compile().as_text()
+  colls = fsdp_bench.collectives(hlo)
+  print(fsdp_bench.summarize(colls))
+  params = setup.abstract_state['params']
+  layers = {tuple(sorted(s[1:])) for s in _shapes(params['layers'])
+            if len(s) == 3}
+  dtypes = {dtype for c in colls if c['kind'] == 'all-gather'
+            for dtype, shape in c['arrays'] if tuple(sorted(shape)) in layers}
+  assert dtypes == ({'u8'} if gather else {'f32'}), dtypes
+  assert any(c['kind'] == 'reduce-scatter' for c in colls)
