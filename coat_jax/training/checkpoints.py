@@ -15,11 +15,15 @@ import orbax.checkpoint as ocp
 
 from coat_jax.checkpoint import check_matches
 from coat_jax.training.config import Config
+from coat_jax.training.config import ModelConfig
 
 # Optimizer fields that decide the layout of the state.
 _OPTIM_LAYOUT = ('name', 'group_size', 'moment_dtypes', 'expansion')
-# Model fields that change how a step runs, not what the state holds.
-_MODEL_RUNTIME = ('fp8_weight_gather',)
+# Model fields that change how a step runs, not what the state holds (a
+# resumed run may change them; model.init_from only seeds a new run).
+_MODEL_RUNTIME = ('fp8_weight_gather', 'remat', 'scaling', 'scan_layers',
+                  'init_from')
+_MODEL_DEFAULTS = dataclasses.asdict(ModelConfig())
 
 
 def _must_match(config: Config) -> dict:
@@ -76,6 +80,10 @@ class Checkpointer:
     saved = self.manager.restore(step, args=ocp.args.Composite(
         config=ocp.args.JsonRestore()))['config']
     wanted = _jsonable(_must_match(self.config))
+    # A model field newer than the checkpoint counts as its default.
+    saved['model'] = {**_jsonable(_MODEL_DEFAULTS), **saved.get('model', {})}
+    saved['model'] = {k: saved['model'][k] for k in wanted['model']
+                      if k in saved['model']}
     diffs = [f'{k}: checkpoint {saved.get(k)!r}, this run {v!r}'
              for k, v in wanted.items() if saved.get(k) != v]
     if diffs:

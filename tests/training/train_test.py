@@ -1,5 +1,6 @@
 """train.py's loop: precision modes, meshes, resume, faults, the CLI."""
 
+import glob
 import json
 import os
 import signal
@@ -202,6 +203,28 @@ def test_mismatched_checkpoint_is_refused(tiny_config, tmp_path):
                       optim={'moment_dtypes': ('e4m3', 'float32')})
   with pytest.raises(ValueError, match='moment_dtypes'):
     training.train(other, devices=jax.devices()[:1])
+
+
+def test_checkpoint_of_an_older_config_and_runtime_changes_resume(
+    tiny_config, tmp_path):
+  # A checkpoint written before model.remat/scaling/... existed resumes (a
+  # missing field counts as its default), and runtime fields may change.
+  run = str(tmp_path / 'run')
+  _train(tiny_config(train={'run_dir': run}), jax.devices()[:1])
+  step_dirs = glob.glob(os.path.join(run, 'checkpoints', '*', 'config'))
+  assert step_dirs
+  for step_dir in step_dirs:
+    path = glob.glob(os.path.join(step_dir, '*'))[0]
+    with open(path) as f:
+      saved = json.load(f)
+    for field in ('remat', 'scaling', 'init_from', 'fp8_weight_gather'):
+      saved['model'].pop(field, None)
+    with open(path, 'w') as f:
+      json.dump(saved, f)
+  later = tiny_config(train={'run_dir': run, 'steps': 4},
+                      model={'remat': 'full', 'scan_layers': False})
+  summary, _ = _train(later, jax.devices()[:1])
+  assert summary['resumed_from'] == 3 and summary['step'] == 4
 
 
 def test_half_written_checkpoint_leaves_the_previous_loadable(tiny_config,
