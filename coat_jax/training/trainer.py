@@ -89,7 +89,7 @@ def _fused_update(config: config_lib.Config):
 
   The global-norm clipping of `make_optimizer` is folded into the kernel as
   a gradient scale (optax's clip writes a scaled copy of every gradient:
-  4.7 ms of the 1b step on an H200, RESULTS.md "step-profile"). It scales
+  4.7 ms of the 1b step on an H200, RESULTS.md "e2e-1b"). It scales
   by max_norm / norm where optax divides by the norm and multiplies by
   max_norm: the same up to rounding.
   """
