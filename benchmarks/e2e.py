@@ -203,20 +203,29 @@ def run_in_process(p: dict, timeout: float) -> dict:
   env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(p['mem_fraction']),
              PYTHONPATH=os.pathsep.join(
                  filter(None, [root, os.environ.get('PYTHONPATH')])))
-  cmd = [sys.executable, os.path.abspath(__file__), '--point', json.dumps(p)]
+  return run_child(os.path.abspath(__file__), p, env, timeout, root)
+
+
+def run_child(script: str, p: dict, env: dict, timeout: float, cwd: str,
+              result: str = RESULT) -> dict:
+  """`python script --point <p as JSON>` in a child process: p plus the
+  metrics of its last line starting with `result` (status 'ok'), or status
+  'does not fit', 'failed' or 'timeout' with the last error line; never
+  raises for the point."""
+  cmd = [sys.executable, script, '--point', json.dumps(p)]
   record = dict(p)
   start = time.perf_counter()
   try:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                         timeout=timeout, cwd=root)
+                         timeout=timeout, cwd=cwd)
   except subprocess.TimeoutExpired:
     return dict(record, status='timeout', wall_s=timeout,
-                error=f'no result within --point-timeout={timeout:.0f} s')
+                error=f'no result within {timeout:.0f} s')
   record['wall_s'] = time.perf_counter() - start
   lines = [line for line in out.stdout.splitlines()
-           if line.startswith(RESULT)]
+           if line.startswith(result)]
   if out.returncode == 0 and lines:
-    return dict(record, status='ok', **json.loads(lines[-1][len(RESULT):]))
+    return dict(record, status='ok', **json.loads(lines[-1][len(result):]))
   text = out.stdout + out.stderr
   errors = [line for line in out.stderr.splitlines() if line.strip()]
   status = 'does not fit' if OOM.search(text) else 'failed'

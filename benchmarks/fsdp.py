@@ -335,26 +335,8 @@ def detect_devices() -> tuple[int, str]:
 def run_in_process(p: dict, timeout: float, backend: str) -> dict:
   """One point in a child process; never raises for the point's failure."""
   env = child_env(p['devices'], backend, p['mem_fraction'])
-  cmd = [sys.executable, os.path.abspath(__file__), '--point', json.dumps(p)]
-  record = dict(p)
-  start = time.perf_counter()
-  try:
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                         timeout=timeout, cwd=env['PYTHONPATH'].split(
-                             os.pathsep)[0])
-  except subprocess.TimeoutExpired:
-    return dict(record, status='timeout', wall_s=timeout,
-                error=f'no result within {timeout:.0f} s')
-  record['wall_s'] = time.perf_counter() - start
-  lines = [line for line in out.stdout.splitlines()
-           if line.startswith(RESULT)]
-  if out.returncode == 0 and lines:
-    return dict(record, status='ok', **json.loads(lines[-1][len(RESULT):]))
-  errors = [line for line in out.stderr.splitlines() if line.strip()]
-  status = ('does not fit' if e2e.OOM.search(out.stdout + out.stderr)
-            else 'failed')
-  return dict(record, status=status, returncode=out.returncode,
-              error=(errors[-1] if errors else '')[:500])
+  return e2e.run_child(os.path.abspath(__file__), p, env, timeout,
+                       env['PYTHONPATH'].split(os.pathsep)[0], RESULT)
 
 
 class Sweep:

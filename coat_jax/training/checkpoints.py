@@ -44,6 +44,18 @@ def _jsonable(x: Any) -> Any:
   return x
 
 
+def latest_step_on_disk(run_dir: str) -> int | None:
+  """The newest committed step under `<run_dir>/checkpoints`, read from the
+  directory names (orbax commits a step by renaming its temporary directory
+  to the bare step number), without opening a manager; None if there is
+  none."""
+  directory = os.path.join(run_dir, 'checkpoints')
+  if not os.path.isdir(directory):
+    return None
+  steps = [int(d) for d in os.listdir(directory) if d.isdigit()]
+  return max(steps) if steps else None
+
+
 class Checkpointer:
   """Saves and restores the train state under `<run_dir>/checkpoints`."""
 

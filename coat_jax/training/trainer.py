@@ -21,6 +21,7 @@ from coat_jax.models import hf
 from coat_jax.models import llama
 from coat_jax.models import remat as remat_lib
 from coat_jax.models import sampling
+from coat_jax.training import checkpoints as checkpoints_lib
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
 from coat_jax.training import memory
@@ -301,13 +302,16 @@ def train(config: config_lib.Config, devices=None) -> dict:
   log = metrics_lib.MetricsLog(t.run_dir, write=lead,
                                tensorboard=t.tensorboard)
   setup = build(config, devices)
-  # Compiled ahead of time (the jitted step reuses this compilation): the
-  # memory it needs is known before any allocation, and a run that cannot
-  # fit stops here with its options.
-  mem = memory.breakdown(setup, memory.compile_train_step(setup))
-  if lead:
-    print(mem.format(), flush=True)
-  memory.check_fits(mem, config)
+  done = checkpoints_lib.latest_step_on_disk(t.run_dir)
+  mem = None
+  if done is None or done < t.steps:  # a finished run compiles nothing
+    # Compiled ahead of time (the jitted step reuses this compilation): the
+    # memory it needs is known before any allocation, and a run that cannot
+    # fit stops here with its options.
+    mem = memory.breakdown(setup, memory.compile_train_step(setup))
+    if lead:
+      print(mem.format(), flush=True)
+    memory.check_fits(mem, config)
   data = data_config(config)
   dataset = data_lib.load_dataset(data, llama_config(config.model).vocab_size)
   tokenizer = tokenizer_lib.for_data(data)
@@ -396,7 +400,7 @@ def train(config: config_lib.Config, devices=None) -> dict:
       step=int(state['step']), nonfinite_steps=int(state['nonfinite']),
       train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
       peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir),
-      memory=dataclasses.asdict(mem))
+      memory=dataclasses.asdict(mem) if mem else None)
   if summary['complete']:
     summary.update(_last_recorded(t.run_dir))
   return summary

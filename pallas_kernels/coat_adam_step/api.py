@@ -32,6 +32,23 @@ def _rebuild(like: Any, new: Moment) -> Any:
   return type(like)(*new) if isinstance(like, tuple) else new
 
 
+def check_grad_and_moments(grad: jax.Array, m: Moment, v: Moment,
+                           expansion: bool) -> None:
+  """Raises unless grad is floating and m, v are FP8 moments of its shape
+  with an exponent exactly when `expansion`."""
+  if not jnp.issubdtype(grad.dtype, jnp.floating):
+    raise TypeError(f'grad has dtype {grad.dtype}; it must be floating.')
+  for name, q in (('mu', m), ('nu', v)):
+    _common.fp8_dtype(q.values.dtype, f'{name}.values.dtype')
+    if q.values.shape != grad.shape:
+      raise ValueError(
+          f'{name}.values has shape {q.values.shape}, grad {grad.shape}.')
+    if (q.exponent is None) == expansion:
+      raise ValueError(
+          f'{name}.exponent must be {"set" if expansion else "None"} with'
+          f' expansion={expansion}.')
+
+
 def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: Any, nu: Any, count: jax.Array,
     *, learning_rate: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
@@ -80,17 +97,7 @@ def coat_adam_step(
   if grad.shape != param.shape:
     raise ValueError(
         f'grad has shape {grad.shape} but param has shape {param.shape}.')
-  if not jnp.issubdtype(grad.dtype, jnp.floating):
-    raise TypeError(f'grad has dtype {grad.dtype}; it must be floating.')
-  for name, q in (('mu', m), ('nu', v)):
-    _common.fp8_dtype(q.values.dtype, f'{name}.values.dtype')
-    if q.values.shape != param.shape:
-      raise ValueError(
-          f'{name}.values has shape {q.values.shape}, param {param.shape}.')
-    if (q.exponent is None) == expansion:
-      raise ValueError(
-          f'{name}.exponent must be {"set" if expansion else "None"} with'
-          f' expansion={expansion}.')
+  check_grad_and_moments(grad, m, v, expansion)
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   fusable = (param.dtype == np.float32 and group_size >= 2

@@ -46,17 +46,7 @@ def coat_adam_update(
   """
   m, v = step_api._fields(mu, 'mu'), step_api._fields(nu, 'nu')  # pylint: disable=protected-access
   grad = jnp.asarray(grad)
-  if not jnp.issubdtype(grad.dtype, jnp.floating):
-    raise TypeError(f'grad has dtype {grad.dtype}; it must be floating.')
-  for name, q in (('mu', m), ('nu', v)):
-    _common.fp8_dtype(q.values.dtype, f'{name}.values.dtype')
-    if q.values.shape != grad.shape:
-      raise ValueError(
-          f'{name}.values has shape {q.values.shape}, grad {grad.shape}.')
-    if (q.exponent is None) == expansion:
-      raise ValueError(
-          f'{name}.exponent must be {"set" if expansion else "None"} with'
-          f' expansion={expansion}.')
+  step_api.check_grad_and_moments(grad, m, v, expansion)
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   fusable = group_size >= 2 and group_size & (group_size - 1) == 0

@@ -150,6 +150,8 @@ def test_rerunning_a_finished_run_reports_it(finished):
   run_dir, argv, first, again, _ = finished
   last = metrics_lib.latest(metrics_lib.read_metrics(run_dir))
   assert 'nan' not in again and 'done:' not in again
+  assert 'memory per device' in first
+  assert 'memory per device' not in again  # nothing compiled
   assert f'the run in {os.path.abspath(run_dir)} is complete' in again
   assert 'step 3, train.steps=3' in again
   assert f"train loss {last['loss'][1]:.4f} (step 3)" in again
