@@ -198,29 +198,11 @@ def _xla_block_matmul(a, b, a_scale, b_scale, out_dtype):
   if jax.default_backend() != 'gpu':
     return reference.fp8_matmul_block_reference(
         a, b, a_scale, b_scale, out_dtype=out_dtype)
-  m, k = a.shape
-  n = b.shape[0]
-  kb = -(-k // BLOCK_K)
-  pad = kb * BLOCK_K - k
-  if pad:
-    a = jnp.pad(a, ((0, 0), (0, pad)))
-    b = jnp.pad(b, ((0, 0), (0, pad)))
-  b_scale = reference.expand_b_scale(b_scale, n)
-  a_blocks = a.reshape(m, kb, BLOCK_K).transpose(1, 0, 2)
-  b_blocks = b.reshape(n, kb, BLOCK_K).transpose(1, 0, 2)
-
-  def step(acc, blocks):
-    ab, bb, sa, sb = blocks
-    part = jax.lax.dot_general(
-        ab, bb, _DIMS,
-        precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
-        preferred_element_type=jnp.float32)
-    return acc + part * (sa[:, None] * sb[None, :]), None
-
-  acc, _ = jax.lax.scan(
-      step, jnp.zeros((m, n), jnp.float32),
-      (a_blocks, b_blocks, a_scale.T, b_scale.T))
-  return acc.astype(out_dtype)
+  fp8_dot = lambda ab, bb: jax.lax.dot_general(
+      ab, bb, _DIMS, precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
+      preferred_element_type=jnp.float32)
+  return reference.fp8_matmul_block_reference(
+      a, b, a_scale, b_scale, out_dtype=out_dtype, block_dot=fp8_dot)
 
 
 def _block_kernel():

@@ -45,7 +45,8 @@ def expand_b_scale(b_scale: jax.Array, n: int) -> jax.Array:
 
 
 def fp8_matmul_block_reference(a: jax.Array, b: jax.Array, a_scale, b_scale,
-                               *, out_dtype=jnp.bfloat16) -> jax.Array:
+                               *, out_dtype=jnp.bfloat16,
+                               block_dot=None) -> jax.Array:
   """Block-scaled (a @ b.T): each 128-K partial sum scaled, then summed.
 
   out[m, n] = sum_kb (sum_{k in kb} a[m, k] b[n, k]) a_scale[m, kb]
@@ -59,27 +60,32 @@ def fp8_matmul_block_reference(a: jax.Array, b: jax.Array, a_scale, b_scale,
     a_scale: (M, ceil(K / 128)) float32.
     b_scale: (ceil(N / 128), ceil(K / 128)) or (N, ceil(K / 128)) float32.
     out_dtype: dtype of the result.
+    block_dot: `(a_block (M, 128), b_block (N, 128)) -> float32 (M, N)`;
+      None: float32 operands, precision HIGHEST (exact FP8 products).
 
   Returns:
     (M, N) array of out_dtype.
   """
+  if block_dot is None:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    block_dot = lambda ab, bb: jax.lax.dot_general(
+        ab, bb, (((1,), (1,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32)
   m, k = a.shape
   n = b.shape[0]
   kb = -(-k // BLOCK_K)
   pad = kb * BLOCK_K - k
-  a32 = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad)))
-  b32 = jnp.pad(b.astype(jnp.float32), ((0, 0), (0, pad)))
+  a = jnp.pad(a, ((0, 0), (0, pad)))
+  b = jnp.pad(b, ((0, 0), (0, pad)))
   a_scale = jnp.asarray(a_scale, jnp.float32)
   b_scale = expand_b_scale(jnp.asarray(b_scale, jnp.float32), n)
-  a_blocks = a32.reshape(m, kb, BLOCK_K).transpose(1, 0, 2)
-  b_blocks = b32.reshape(n, kb, BLOCK_K).transpose(1, 0, 2)
+  a_blocks = a.reshape(m, kb, BLOCK_K).transpose(1, 0, 2)
+  b_blocks = b.reshape(n, kb, BLOCK_K).transpose(1, 0, 2)
 
   def step(acc, blocks):
     ab, bb, sa, sb = blocks
-    part = jax.lax.dot_general(
-        ab, bb, (((1,), (1,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32)
+    part = block_dot(ab, bb)
     return acc + part * (sa[:, None] * sb[None, :]), None
 
   acc, _ = jax.lax.scan(
