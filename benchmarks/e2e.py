@@ -307,10 +307,15 @@ class Sweep:
           flush=True)
     self.records[key] = r
     if a.out:
-      os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-      with open(a.out, 'a') as f:
-        f.write(json.dumps(r) + '\n')
+      append_record(a.out, r)
     return r
+
+
+def append_record(path: str, record: dict) -> None:
+  """Appends `record` as one JSON line to `path` (made if missing)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'a') as f:
+    f.write(json.dumps(record) + '\n')
 
 
 def load_records(path: str) -> list[dict]:

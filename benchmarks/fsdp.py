@@ -375,9 +375,7 @@ class Sweep:
     print(f'  {label}: {describe(r)} ({r["wall_s"]:.0f} s)', flush=True)
     self.records[key] = r
     if a.out:
-      os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-      with open(a.out, 'a') as f:
-        f.write(json.dumps(r) + '\n')
+      e2e.append_record(a.out, r)
     return r
 
 
