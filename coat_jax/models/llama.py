@@ -7,6 +7,7 @@ it accepts the shapes, XLA elsewhere) are BF16; embeddings, final norm, LM
 head and loss are BF16 with float32 statistics; params are float32.
 """
 
+from collections.abc import Sequence
 import dataclasses
 from typing import Any
 
@@ -343,9 +344,23 @@ class Llama(nnx.Module):
       return self.embed[...].T
     return self.lm_head[...]
 
-  def hidden_states(self, tokens: jax.Array) -> jax.Array:
-    """int tokens (B, S) -> final normed hidden states (B, S, H) in dtype."""
+  def hidden_states(self, tokens: jax.Array,
+                    layers: Sequence[Any] | None = None) -> jax.Array:
+    """int tokens (B, S) -> final normed hidden states (B, S, H) in dtype.
+
+    `layers` (unrolled layers only): num_layers trees, each one layer's
+    params (the stacked params' tree, sliced), used in place of slices of
+    the stacked params, so that gradients with respect to them come per
+    layer and are never stacked (`fused_coat_adamw` steps each layer of the
+    stack in place).
+    """
     seq = _check_tokens(tokens, self.config)
+    if layers is not None and (self.config.scan_layers
+                               or len(layers) != self.config.num_layers):
+      raise ValueError(
+          f'layers: {len(layers)} per-layer param trees given; they need'
+          f' scan_layers=False (got {self.config.scan_layers}) and one tree'
+          f' per layer ({self.config.num_layers}).')
     # Under an FSDP mesh the residual stream stays batch-sharded, so each
     # layer gathers its weights rather than moving activations.
     x = fsdp.shard_batch(
@@ -364,7 +379,8 @@ class Llama(nnx.Module):
       return self.norm(run_layers(x, self.layers))
     graphdef, stacked = nnx.split(self.layers)
     for i in range(self.config.num_layers):
-      layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+      layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked)
+                        if layers is None else layers[i])
       x = fsdp.shard_batch(apply_layer(layer, x))
     return self.norm(x)
 
@@ -395,7 +411,8 @@ def _check_tokens(tokens: Any, config: LlamaConfig) -> int:
 
 
 def lm_loss(model: Llama, tokens: jax.Array, targets: jax.Array, *,
-            chunk_size: int = 1024) -> jax.Array:
+            chunk_size: int = 1024,
+            layers: Sequence[Any] | None = None) -> jax.Array:
   """Mean next-token cross entropy, without materializing all logits.
 
   Args:
@@ -403,6 +420,7 @@ def lm_loss(model: Llama, tokens: jax.Array, targets: jax.Array, *,
     tokens: (B, S) integer inputs.
     targets: (B, S) integer next tokens; negative ids are ignored.
     chunk_size: tokens per chunk of (chunk_size, V) float32 logits.
+    layers: per-layer params of unrolled layers (`Llama.hidden_states`).
 
   Returns:
     float32 scalar: summed loss / number of targets >= 0 (0 if none).
@@ -411,7 +429,7 @@ def lm_loss(model: Llama, tokens: jax.Array, targets: jax.Array, *,
     raise ValueError(
         f'targets has shape {getattr(targets, "shape", None)}; expected the'
         f' shape of tokens {getattr(tokens, "shape", None)}.')
-  hidden = model.hidden_states(tokens)
+  hidden = model.hidden_states(tokens, layers)
   loss_sum, count = chunked_cross_entropy(
       hidden, model.head_kernel(), targets, chunk_size=chunk_size,
       dtype=model.dtype)

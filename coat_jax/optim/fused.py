@@ -51,6 +51,11 @@ def fused_coat_adamw(
   its results would keep the old state alive and copy it. `grad_scale` (a
   float32 scalar) multiplies the gradients inside the pass: global-norm
   clipping as `min(1, max_norm / norm)` without writing scaled gradients.
+
+  `grads` mirrors `params`, except that a stacked leaf (L, ...) may get a
+  tuple of L per-layer gradients instead (unrolled layers sliced from a
+  stack): each layer then takes its step in place in the stacked param and
+  moments, and no stacked copy of the gradients is ever written.
   """
 
   def apply(grads, state, params, apply_if=True, grad_scale=1.0):
@@ -77,12 +82,25 @@ def fused_coat_adamw(
     if not all(moments.is_moment(m) for m in mus + nus):
       raise ValueError('fused_coat_adamw needs FP8 moments in both slots'
                        ' (moment_dtypes without "float32").')
+
+    def step_leaf(p, g, m, v, d):
+      kw = dict(learning_rate=lr, b1=b1, b2=b2, eps=eps,
+                weight_decay=weight_decay if d else None,
+                group_size=group_size, expansion=expansion, apply=apply_if,
+                implementation=implementation, grad_scale=grad_scale)
+      if not isinstance(g, tuple | list):
+        return fused_step.coat_adam_step(p, g, m, v, count, **kw)
+      if p.ndim < 1 or len(g) != p.shape[0]:
+        raise ValueError(
+            f'grads hold {len(g)} per-layer gradients for a param of shape'
+            f' {p.shape}: a stacked param (L, ...) takes exactly L.')
+      for layer, g_layer in enumerate(g):  # in place, layer by layer
+        p, m, v = fused_step.coat_adam_step(p, g_layer, m, v, count,
+                                            layer=layer, **kw)
+      return p, m, v
+
     out = [
-        fused_step.coat_adam_step(
-            p, g, m, v, count, learning_rate=lr, b1=b1, b2=b2, eps=eps,
-            weight_decay=weight_decay if d else None, group_size=group_size,
-            expansion=expansion, apply=apply_if,
-            implementation=implementation, grad_scale=grad_scale)
+        step_leaf(p, g, m, v, d)
         for p, g, m, v, d in zip(
             jax.tree.leaves(params), moments.per_param(params, grads), mus,
             nus, treedef.flatten_up_to(decay), strict=True)]

@@ -54,7 +54,7 @@ def coat_adam_step(
     *, learning_rate: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
     weight_decay: Any = None, group_size: int = 128, expansion: bool = True,
     apply: Any = True, implementation: str | None = None, approx: bool = True,
-    grad_scale: Any = 1.0
+    grad_scale: Any = 1.0, layer: int | None = None
 ) -> tuple[jax.Array, Any, Any]:
   """One COAT AdamW step on one leaf: new (param, mu, nu), in one pass.
 
@@ -87,6 +87,10 @@ def coat_adam_step(
     grad_scale: a float32 scalar the gradient is multiplied by first (e.g.
       global-norm clipping's min(1, max_norm / norm), folded into the pass
       so that no scaled copy of the gradients is written).
+    layer: None, or an int: param, mu and nu are a stack of layers
+      (L, *grad.shape) along a leading axis and only `layer` takes the step
+      (in place: the other layers' bytes are not touched), so that the
+      per-layer gradients of unrolled layers need not be stacked first.
 
   Returns:
     (new_param, new_mu, new_nu).
@@ -94,10 +98,17 @@ def coat_adam_step(
   m, v = _fields(mu, 'mu'), _fields(nu, 'nu')
   param = jnp.asarray(param)
   grad = jnp.asarray(grad)
-  if grad.shape != param.shape:
+  layer_shape = param.shape if layer is None else param.shape[1:]
+  if grad.shape != layer_shape:
     raise ValueError(
-        f'grad has shape {grad.shape} but param has shape {param.shape}.')
-  check_grad_and_moments(grad, m, v, expansion)
+        f'grad has shape {grad.shape} but param has shape {param.shape}'
+        + ('.' if layer is None else
+           f'; with layer={layer} it must be param.shape[1:].'))
+  if layer is not None and not 0 <= layer < param.shape[0]:
+    raise ValueError(f'layer={layer} is outside the stack of'
+                     f' {param.shape[0]} layers (param {param.shape}).')
+  check_grad_and_moments(jax.ShapeDtypeStruct(param.shape, grad.dtype), m, v,
+                         expansion)
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   fusable = (param.dtype == np.float32 and group_size >= 2
@@ -110,10 +121,15 @@ def coat_adam_step(
         param, grad, m, v, hp, apply, group_size=group_size,
         expansion=expansion,
         apply_weight_decay=not reference._no_decay(weight_decay),
-        interpret=interpret, approx=approx)
+        interpret=interpret, approx=approx, layer=layer)
   else:
+    at = (lambda a: a) if layer is None else (lambda a: a[layer])
     p, m2, v2 = reference.coat_adam_step(
-        param, grad, m, v, count, learning_rate=learning_rate, b1=b1, b2=b2,
-        eps=eps, weight_decay=weight_decay, group_size=group_size,
+        at(param), grad, jax.tree.map(at, m), jax.tree.map(at, v), count,
+        learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+        weight_decay=weight_decay, group_size=group_size,
         expansion=expansion, apply=apply, grad_scale=grad_scale)
+    if layer is not None:  # written back in place (a dynamic-update-slice)
+      p, m2, v2 = jax.tree.map(lambda whole, new: whole.at[layer].set(new),
+                               (param, m, v), (p, m2, v2))
   return p, _rebuild(mu, m2), _rebuild(nu, v2)

@@ -24,7 +24,6 @@ from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
 from pallas_kernels.coat_adam_step import reference
 from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
-from pallas_kernels.quantize_per_group import reference as group_reference
 
 _HP_NAMES = ('c1', 'b1', 'c2', 'b2', 'bc1', 'bc2', 'eps', 'wd', 'neg_lr',
              'gscale')
@@ -97,10 +96,12 @@ def kernel_ops(interpret: bool, approx: bool) -> _common.Ops:
 
 
 def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
-                apply_weight_decay, block_sizes, interpret, approx):
+                apply_weight_decay, block_sizes, interpret, approx,
+                layer=None):
   """The pallas_call of both ops: with `param` the step (param, moments
   updated in place), with param None the update (the Adam direction as a new
-  float32 array, moments in place)."""
+  float32 array, moments in place). With `layer`, param and moments are a
+  stack (L, *grad.shape) of which only that layer is visited and written."""
   shape = grad.shape
   rows, cols = _common.as_2d(shape)
   ngt = pl.cdiv(cols, group_size)
@@ -110,18 +111,27 @@ def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
   index = lambda p: (p // ncb, p % ncb)
   tile = pl.BlockSpec((br, bc), index)
   gtile = pl.BlockSpec((br, bc // group_size), index)
+  if layer is None:
+    view = lambda a, n: a.reshape(rows, n)
+    state_tile, state_gtile = tile, gtile
+  else:  # the stacked state's tiles of this layer, the leading axis squeezed
+    view = lambda a, n: a.reshape(-1, rows, n)
+    at_layer = lambda p: (layer, *index(p))
+    state_tile = pl.BlockSpec((pl.squeezed, br, bc), at_layer)
+    state_gtile = pl.BlockSpec((pl.squeezed, br, bc // group_size), at_layer)
 
   def flat(q):
-    leaves = [q.values.reshape(rows, cols), q.scale.reshape(rows, ngt)]
+    leaves = [view(q.values, cols), view(q.scale, ngt)]
     if expansion:
-      leaves.append(q.exponent.reshape(rows, ngt))
+      leaves.append(view(q.exponent, ngt))
     return leaves
 
   with_param = param is not None
-  lead = [param.reshape(rows, cols)] if with_param else []
+  lead = [view(param, cols)] if with_param else []
   args = [*lead, grad.reshape(rows, cols), *flat(mu), *flat(nu)]
-  moment_specs = [tile, gtile] + ([gtile] if expansion else [])
-  in_specs = [tile] * len(lead) + [tile, *moment_specs, *moment_specs]
+  moment_specs = [state_tile, state_gtile] + (
+      [state_gtile] if expansion else [])
+  in_specs = [state_tile] * len(lead) + [tile, *moment_specs, *moment_specs]
   hp_vec = jnp.stack([hp[n] for n in _HP_NAMES]
                      + [jnp.asarray(apply, jnp.float32)]
                      + [jnp.float32(0)] * (15 - len(_HP_NAMES)))
@@ -141,8 +151,10 @@ def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
   outs = pl.pallas_call(
       kernel, grid=grid,
       in_specs=[pl.BlockSpec((16,), lambda p: (0,)), *in_specs],
-      out_specs=[tile, *moment_specs, *moment_specs],
-      out_shape=[jax.ShapeDtypeStruct((rows, cols), x_dtype)]
+      out_specs=[state_tile if with_param else tile, *moment_specs,
+                 *moment_specs],
+      out_shape=[jax.ShapeDtypeStruct(args[0].shape if with_param
+                                      else (rows, cols), x_dtype)]
       + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[-n_moment:]],
       input_output_aliases=aliases,
       interpret=interpret,
@@ -150,37 +162,42 @@ def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
       name='coat_adam_step' if with_param else 'coat_adam_update',
   )(hp_vec, *args)
   k = len(moment_specs)
-  sshape = group_reference.scale_shape(shape, group_size)
 
-  def unflat(leaves):
+  def unflat(leaves, like):  # the shapes of the moment given
     return reference.Moment(
-        leaves[0].reshape(shape), leaves[1].reshape(sshape),
-        leaves[2].reshape(sshape) if expansion else None)
+        leaves[0].reshape(like.values.shape),
+        leaves[1].reshape(like.scale.shape),
+        leaves[2].reshape(like.exponent.shape) if expansion else None)
 
-  return outs[0].reshape(shape), unflat(outs[1:1 + k]), unflat(outs[1 + k:])
+  x_shape = param.shape if with_param else shape
+  return (outs[0].reshape(x_shape), unflat(outs[1:1 + k], mu),
+          unflat(outs[1 + k:], nu))
 
 
 @functools.partial(
     jax.jit,
     static_argnames=('group_size', 'expansion', 'apply_weight_decay',
-                     'block_sizes', 'interpret', 'approx'))
+                     'block_sizes', 'interpret', 'approx', 'layer'))
 def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: reference.Moment,
     nu: reference.Moment, hp: dict[str, jax.Array],
     apply: jax.Array | bool = True, *, group_size: int,
     expansion: bool, apply_weight_decay: bool,
     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
-    approx: bool = True
+    approx: bool = True, layer: int | None = None
 ) -> tuple[jax.Array, reference.Moment, reference.Moment]:
   """Pallas version of `reference.coat_adam_step` given its hyperparams.
 
   With `apply` False (a bool scalar) no program writes: param and moments
-  come back as given, in place. `approx`: see `kernel_ops`.
+  come back as given, in place. `approx`: see `kernel_ops`. With `layer`,
+  param and moments are stacks (L, *grad.shape) and only that layer is
+  read and written (in place; the other layers are left as they are).
   """
   return _fused_call(
       param, grad, mu, nu, hp, apply, group_size=group_size,
       expansion=expansion, apply_weight_decay=apply_weight_decay,
-      block_sizes=block_sizes, interpret=interpret, approx=approx)
+      block_sizes=block_sizes, interpret=interpret, approx=approx,
+      layer=layer)
 
 
 @functools.partial(

@@ -188,6 +188,47 @@ def test_pallas_kernel_is_its_reference_bit_for_bit(shape, moment_dtypes,
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+@pytest.mark.parametrize('layer_shape,expansion', [
+    ((5, 300), True), ((4, 256), False), ((300,), True)])
+def test_one_layer_of_a_stack_is_the_step_on_that_layer(
+    implementation, layer_shape, expansion):
+  """`layer=i` on a stack (L, ...) gives layer i exactly what the step on
+  the slice gives, and leaves every other layer's bytes as they were."""
+  num_layers, layer = 3, 1
+  shape = (num_layers, *layer_shape)
+  rng = np.random.default_rng(5)
+  p = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  mu, nu = (coat_jax.quant.quantize_per_group(
+      jnp.asarray(rng.standard_normal(shape) * s, jnp.float32), 128, fmt,
+      expansion=expansion) for s, fmt in ((1e-2, 'e4m3'), (1e-4, 'e5m2')))
+  g = _grads(layer_shape, 7)
+  kw = dict(learning_rate=1e-2, weight_decay=0.1, expansion=expansion,
+            implementation=implementation, apply=jnp.bool_(True))
+  stacked = jax.jit(lambda p, g, mu, nu: api.coat_adam_step(
+      p, g, mu, nu, jnp.int32(3), layer=layer, **kw))(p, g, mu, nu)
+  at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  alone = jax.jit(lambda p, g, mu, nu: api.coat_adam_step(
+      p, g, mu, nu, jnp.int32(3), **kw))(*at((p,), layer), g,
+                                          *at((mu, nu), layer))
+  assert isinstance(stacked[1], coat_jax.QuantizedArray)
+  for got, want, old in zip(jax.tree.leaves(stacked), jax.tree.leaves(alone),
+                            jax.tree.leaves((p, mu, nu))):
+    assert got.shape == old.shape and got.dtype == old.dtype
+    np.testing.assert_array_equal(_bits(got[layer]), _bits(want))
+    for other in set(range(num_layers)) - {layer}:
+      np.testing.assert_array_equal(_bits(got[other]), _bits(old[other]))
+
+
+def test_layer_validation():
+  p = jnp.ones((2, 4, 8))
+  q = coat_jax.quant.quantize_per_group(p, 128, 'e4m3', expansion=True)
+  with pytest.raises(ValueError, match=r'param.shape\[1:\]'):
+    api.coat_adam_step(p, p, q, q, 1, learning_rate=1e-3, layer=0)
+  with pytest.raises(ValueError, match='outside the stack'):
+    api.coat_adam_step(p, p[0], q, q, 1, learning_rate=1e-3, layer=2)
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
 def test_apply_false_changes_nothing(implementation):
   shape = (5, 300)
   rng = np.random.default_rng(3)

@@ -8,13 +8,16 @@ import subprocess
 import sys
 import time
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from coat_jax import quant
 from coat_jax import training
+from coat_jax.models import llama
 from coat_jax.training import config as config_lib
 from coat_jax.training import trainer
 
@@ -82,6 +85,46 @@ def test_fused_optimizer_step_trains_like_the_optax_path(tiny_config,
   _, losses_plain = _train(plain, jax.devices()[:1])
   _, losses_fused = _train(fused, jax.devices()[:1])
   np.testing.assert_allclose(losses_fused, losses_plain, rtol=1e-4)
+
+
+def test_unrolled_layers_step_from_their_own_gradients(tiny_config):
+  """Unrolled layers with the fused optimizer: each layer's gradient steps
+  its slice of the stacked params and moments (no stacked gradient); the
+  result is the fused step on the stacked gradients, and the metrics too."""
+  config = tiny_config(model={'scan_layers': False},
+                       optim={'warmup_steps': 0})  # params move at step 1
+  assert config_lib.uses_fused_optimizer(config.optim)
+  setup = training.build(config, jax.devices()[:1])
+  state = setup.init_state()
+  rng = np.random.default_rng(0)
+  x, y = (jnp.asarray(rng.integers(0, 256, (8, 32)), jnp.int32)
+          for _ in range(2))
+  params, opt_state = state['params'], state['opt_state']
+
+  @jax.jit
+  def stacked_step(params, opt_state):
+    loss, grads = jax.value_and_grad(lambda p: llama.lm_loss(
+        nnx.merge(setup.graphdef, p), x, y))(params)
+    norm = optax.tree.norm(grads)
+    return trainer._fused_update(config)(grads, norm, opt_state, params,
+                                         jnp.bool_(True)), loss, norm
+
+  (want_params, want_opt), want_loss, want_norm = stacked_step(
+      params, opt_state)
+  new, metrics = setup.train_step(jax.tree.map(jnp.copy, state), x, y)
+  np.testing.assert_allclose(metrics['loss'], want_loss, rtol=1e-6)
+  np.testing.assert_allclose(metrics['grad_norm'], want_norm, rtol=1e-5)
+  for path, got, want, old in zip(
+      jax.tree_util.tree_flatten_with_path(want_params)[0],
+      jax.tree.leaves(new['params']), jax.tree.leaves(want_params),
+      jax.tree.leaves(params)):
+    assert not np.array_equal(got, old), path[0]  # every param moved
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6,
+                               err_msg=str(path[0]))
+  for got, want in zip(jax.tree.leaves(new['opt_state']),
+                       jax.tree.leaves(want_opt)):
+    got, want = (np.asarray(a).astype(np.float32) for a in (got, want))
+    assert np.mean(got != want) <= 1e-3  # a rare code step from rounding
 
 
 # Sharded runs repeat the single-device run: same data, same math, only the
