@@ -200,3 +200,19 @@ def test_update_kernel_matches_reference(log2_kernels):
   np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=1e-6)
   for new, ref in zip(got[1:], want[1:]):
     _assert_close(new, ref, max_frac=1e-2, scale_rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtypes', [('e4m3', 'e4m3'), ('e5m2', 'e5m2')])
+def test_gpu_kernel_roundtrip_of_edge_groups(dtypes):
+  """The compiled update kernel (lg2/ex2.approx.ftz) with b1 = b2 = 1 and a
+  zero gradient decodes and re-encodes the moments: as the reference does,
+  float32 subnormals, all-zero, constant, NaN and huge groups included."""
+  x = _groups(5, subnormals=True)
+  mu, nu = _moment(x, dtypes[0]), _moment(jnp.abs(x), dtypes[1])
+  run = lambda impl: jax.jit(functools.partial(
+      update_api.coat_adam_update, b1=1.0, b2=1.0, implementation=impl))(
+          jnp.zeros_like(x), mu, nu, jnp.int32(1))
+  got, want = run('pallas'), run('xla')
+  for new, ref in zip(got[1:], want[1:]):
+    _assert_close(new, ref, max_frac=1e-2, scale_rtol=1e-6)
