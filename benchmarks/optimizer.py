@@ -16,9 +16,10 @@ after 3 steps from the same params and gradients, max |p - p_ref| / max
 |p_ref - p0| against the variant's reference (the 'xla' coat_adamw for the
 COAT rows, the float32 inner optimizer for fp8_states), so a broken kernel
 cannot post a good time. --sweep adds the coat_adamw kernel and the fused
-step with the previous group math ('ln': the reference's expressions on
-approximate log/exp, `pallas_triton.APPROX_MATH`) and with other tiles
-(`UPDATE_BLOCK_SIZES`, `STEP_BLOCK_SIZES`), to pick the defaults.
+step with the other group maths (`pallas_triton.APPROX_MATH`: 'ln', the
+reference's expressions on approximate log/exp, and 'log2_table') and with
+other tiles (`UPDATE_BLOCK_SIZES`, `STEP_BLOCK_SIZES`), to pick the
+defaults.
 """
 
 import argparse
@@ -178,10 +179,12 @@ SWEEP_TILES = ((2048, 2), (1024, 4), (2048, 4), (4096, 4))  # target, warps
 def _sweep_runs():
   """(variant, label, patches of adam_pallas) for --sweep: both kernels with
   the reference's expressions on approximate log/exp ('ln', the previous
-  default), then with the log2 group math at other tiles than the default."""
+  default) and the log2 math decoding by table ('log2_table'), then with the
+  default math ('log2') at other tiles than the default."""
   runs = []
   for name, tiles_attr in SWEEP_KERNELS.items():
-    runs.append((name, ' ln', {'APPROX_MATH': 'ln'}))
+    runs += [(name, f' {math}', {'APPROX_MATH': math})
+             for math in ('ln', 'log2_table')]
     runs += [(name, f' {t}/{w}w', {tiles_attr: adam_pallas.BlockSizes(
         target=t, num_warps=w)}) for t, w in SWEEP_TILES]
   return runs

@@ -150,6 +150,8 @@ class Ops:
     log2, exp2: base-2 log and exp; when set, the group math with expansion
       runs in the log2 domain (`quantize_per_group.log2_math`, fewer
       operations per element) instead of the reference's expressions.
+    code_log2: (codes, dtype) -> log2(|q| / fp8_max) for the log2 domain's
+      decode, or None for log2 |q| - log2 fp8_max by `log2`.
   """
 
   div: Callable[[Any, Any], jax.Array]
@@ -161,6 +163,7 @@ class Ops:
   exp: Callable[[Any], jax.Array] | None = None
   log2: Callable[[Any], jax.Array] | None = None
   exp2: Callable[[Any], jax.Array] | None = None
+  code_log2: Callable[[Any, Any], jax.Array] | None = None
 
 
 def _times_reciprocal(x: jax.Array, y: jax.Array) -> jax.Array:

@@ -90,10 +90,11 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
     step()
 
 
-# The group math of the compiled kernels with `approx`: 'log2' (one log2,
-# one multiply-add and one exp2 per element and direction, `log2_math`) or
-# 'ln' (the reference's expressions on approximate log and exp). Read when
-# traced: benchmarks/optimizer.py --sweep times both.
+# The group math of the compiled kernels with `approx`: 'log2' (one log2
+# and one exp2 per element and direction, `log2_math`), 'log2_table' (the
+# same, the decode's log2 from the code's bits: fewer special-function ops,
+# more integer ops) or 'ln' (the reference's expressions on approximate log
+# and exp). Read when traced: benchmarks/optimizer.py --sweep times them.
 APPROX_MATH = 'log2'
 
 
@@ -108,6 +109,9 @@ def kernel_ops(interpret: bool, approx: bool) -> _common.Ops:
     return ops
   if APPROX_MATH == 'log2':
     return _common.approx_log2_domain(ops)
+  if APPROX_MATH == 'log2_table':
+    return dataclasses.replace(_common.approx_log2_domain(ops),
+                               code_log2=group_reference.code_log2)
   return _common.approx_transcendentals(ops)
 
 

@@ -10,6 +10,9 @@ per element there is one log2 and one exp2 each way, with a multiply-add
   decode: x = sign(q) M exp2((log2 |q| - log2 fmax) r),
           r = 1 / k                                          (per group)
 
+(the decode's log2 |q| - log2 fmax by `ops.code_log2` where set, e.g. the
+reference's exact `code_log2` from the code's bits: integer ops and selects
+instead of a special-function op).
 Everything else (the exponent, c, r, b) is computed once per group. s = 2^24
 (1 for M >= 2^104) lifts float32 subnormals so that a log2 that flushes them
 (the GPU's lg2.approx.ftz) still sees them; it cannot overflow. The group
@@ -92,8 +95,12 @@ def decode_groups(
   # rounding is relative 1e-6, not 1e-5 at M ~ 2^-90) and <= 0; |q| = fmax
   # gives exp2(0 * r) = 1 (fmax's log2 by the same instruction), so M
   # exactly, as in the reference.
-  log2_fmax = ops.log2(jnp.full((1,) * groups.ndim, _common.fp8_max(dtype),
-                                jnp.float32))
-  factor = ops.exp2((ops.log2(jnp.abs(groups)) - log2_fmax) * r[..., None])
+  if ops.code_log2 is not None:
+    code_log2 = ops.code_log2(groups, dtype)
+  else:
+    log2_fmax = ops.log2(jnp.full(
+        (1,) * groups.ndim, _common.fp8_max(dtype), jnp.float32))
+    code_log2 = ops.log2(jnp.abs(groups)) - log2_fmax
+  factor = ops.exp2(code_log2 * r[..., None])
   out = scale.astype(jnp.float32)[..., None] * factor
   return _common.with_sign_of(out, groups)
