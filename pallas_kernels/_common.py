@@ -248,7 +248,10 @@ def approx_reciprocal(x: jax.Array) -> jax.Array:
 def approx_log2_domain(ops: Ops) -> Ops:
   """`ops` for the optimizer kernels compiled with `approx` (issue 22): the
   group math in the log2 domain on the GPU's lg2/ex2 (subnormals flushed),
-  Adam's division (x / y) / z as x * rcp(y z)."""
+  Adam's division (x / y) / z as x * rcp(y z). The reciprocal flushes a
+  subnormal denominator (1 - b1^t) (sqrt(v_hat) + eps) to 0, which needs
+  eps < 2^-126 / (1 - b1) (~1e-35 at b1 = 0.999); 6 instructions per element
+  less than the non-flushing rcp."""
   return dataclasses.replace(
       ops, log2=approx_log2, exp2=approx_exp2,
       div2=lambda x, y, z: x * approx_reciprocal(y * z))
