@@ -10,10 +10,10 @@ per element there is one log2 and one exp2 each way, with a multiply-add
   decode: x = sign(q) M exp2((log2 |q| - log2 fmax) r),
           r = 1 / k                                          (per group)
 
-(the decode's log2 |q| - log2 fmax by `ops.code_log2` where set, e.g. the
+Everything else (the exponent, c, r) is computed once per group; where
+`ops.code_log2` is set, it gives the decode's log2 |q| - log2 fmax (e.g. the
 reference's exact `code_log2` from the code's bits: integer ops and selects
-instead of a special-function op).
-Everything else (the exponent, c, r, b) is computed once per group. s = 2^24
+instead of a special-function op). s = 2^24
 (1 for M >= 2^104) lifts float32 subnormals so that a log2 that flushes them
 (the GPU's lg2.approx.ftz) still sees them; it cannot overflow. The group
 min over nonzero |x| is an unsigned min over the bits of |x| minus one (a
