@@ -15,11 +15,15 @@ optax.adamw's time, the state's bytes per param, and a correctness column:
 after 3 steps from the same params and gradients, max |p - p_ref| / max
 |p_ref - p0| against the variant's reference (the 'xla' coat_adamw for the
 COAT rows, the float32 inner optimizer for fp8_states), so a broken kernel
-cannot post a good time. --sweep adds the coat_adamw kernel with other tiles
-(`pallas_triton.UPDATE_BLOCK_SIZES`) to pick its default.
+cannot post a good time. --sweep adds the coat_adamw kernel and the fused
+step with the other group maths (`pallas_triton.APPROX_MATH`: 'ln', the
+reference's expressions on approximate log/exp, and 'log2_table') and with
+other tiles (`UPDATE_BLOCK_SIZES`, `STEP_BLOCK_SIZES`), to pick the
+defaults.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -137,7 +141,8 @@ def main():
   parser.add_argument('--only', nargs='*', help='variant names to run')
   parser.add_argument(
       '--sweep', action='store_true',
-      help='also time the coat_adamw kernel with other tiles of the update')
+      help='also time both kernels with the previous group math (ln) and'
+      ' other tiles')
   args = parser.parse_args()
   print(f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
         f'{LEAVES} x {SIDE}x{SIDE} float32 params')
@@ -149,21 +154,40 @@ def main():
   finals = {}
   results = []
   names = args.only or list(VARIANTS)
-  runs = [(name, None) for name in names]
+  runs = [(name, '', {}) for name in names]
   if args.sweep:
-    runs += [('coat_adamw kernel (None)', adam_pallas.BlockSizes(
-        target=t, num_warps=w)) for t, w in ((512, 2), (2048, 2), (2048, 4),
-                                             (4096, 4), (4096, 8))]
-  for name, tiles in runs:
-    if tiles is not None:
-      with mock.patch.object(adam_pallas, 'UPDATE_BLOCK_SIZES', tiles):
+    runs += _sweep_runs()
+  for name, label, patches in runs:
+    with contextlib.ExitStack() as stack:
+      for attr, value in patches.items():
+        stack.enter_context(mock.patch.object(adam_pallas, attr, value))
+      if patches:  # the kernels read them when traced
         jax.clear_caches()
-        _measure(name + f' {tiles.target}/{tiles.num_warps}w',
-                 VARIANTS[name], params, g, n, finals, results, timing)
+      _measure(name + label, VARIANTS[name], params, g, n, finals, results,
+               timing)
+    if patches:
       jax.clear_caches()
-    else:
-      _measure(name, VARIANTS[name], params, g, n, finals, results, timing)
   _report(results, args)
+
+
+# The kernel variants of --sweep and the attribute holding each one's tiles.
+SWEEP_KERNELS = {'coat_adamw kernel (None)': 'UPDATE_BLOCK_SIZES',
+                 'fused_coat_adamw (in place)': 'STEP_BLOCK_SIZES'}
+SWEEP_TILES = ((2048, 2), (1024, 4), (2048, 4), (4096, 4))  # target, warps
+
+
+def _sweep_runs():
+  """(variant, label, patches of adam_pallas) for --sweep: both kernels with
+  the reference's expressions on approximate log/exp ('ln', the previous
+  default) and the log2 math decoding by table ('log2_table'), then with the
+  default math ('log2') at other tiles than the default."""
+  runs = []
+  for name, tiles_attr in SWEEP_KERNELS.items():
+    runs += [(name, f' {math}', {'APPROX_MATH': math})
+             for math in ('ln', 'log2_table')]
+    runs += [(name, f' {t}/{w}w', {tiles_attr: adam_pallas.BlockSizes(
+        target=t, num_warps=w)}) for t, w in SWEEP_TILES]
+  return runs
 
 
 def _measure(name, variant, params, g, n, finals, results, timing):
@@ -186,18 +210,18 @@ def _measure(name, variant, params, g, n, finals, results, timing):
   del carry
   results.append(dict(name=name, ms=s * 1e3, state_bytes_per_param=(
       state_bytes), check_vs=ref_name, rel_diff=err))
-  print(f'  {name:34s} {s * 1e3:8.3f} ms', flush=True)
+  print(f'  {name:38s} {s * 1e3:8.3f} ms', flush=True)
 
 
 def _report(results, args):
   base = next((r['ms'] for r in results if r['name'] == 'optax.adamw'), None)
-  print(f'\n{"variant":34s} {"ms":>8s} {"x adamw":>8s} {"B/param":>8s}'
+  print(f'\n{"variant":38s} {"ms":>8s} {"x adamw":>8s} {"B/param":>8s}'
         f'  check (max |p - ref| / max |ref - p0| after {CHECK_STEPS} steps)')
   for r in results:
     ratio = f'{r["ms"] / base:8.3f}' if base else f'{"-":>8s}'
     check = ('' if r['rel_diff'] is None
              else f'{r["rel_diff"]:.2e} vs {r["check_vs"]}')
-    print(f'{r["name"]:34s} {r["ms"]:8.3f} {ratio} '
+    print(f'{r["name"]:38s} {r["ms"]:8.3f} {ratio} '
           f'{r["state_bytes_per_param"]:8.3f}  {check}')
   if args.out:
     with open(args.out, 'a') as f:

@@ -80,10 +80,11 @@ def coat_adam_step(
       skipped step: non-finite gradients). Unlike a `jnp.where` after the
       step, it keeps the Pallas kernel in place: no copy of the old state.
     implementation: None (fastest available), 'xla' or 'pallas'.
-    approx: the compiled GPU kernel's group math uses the approximate
-      lg2/ex2 instructions (faster; FP8 moments within a code step or two of
-      the reference's in rare elements). False: the reference's exact ops.
-      Interpreted kernels always use exact ops.
+    approx: the compiled GPU kernel's group math runs in the log2 domain on
+      the approximate lg2/ex2 instructions, and Adam's division on rcp
+      (faster; FP8 moments within a code step or two of the reference's in
+      rare elements, decoded values within ~5e-6). False: the reference's
+      exact ops. Interpreted kernels always use exact ops.
     grad_scale: a float32 scalar the gradient is multiplied by first (e.g.
       global-norm clipping's min(1, max_norm / norm), folded into the pass
       so that no scaled copy of the gradients is written).

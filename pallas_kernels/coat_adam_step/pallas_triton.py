@@ -8,9 +8,11 @@ array and the moments in place (`coat_adam_update`, the optax path)
 (`input_output_aliases`: under `jax.jit` with donated state nothing is
 copied). block_cols is a multiple of the group size, so a tile holds whole
 groups. The arithmetic is `reference.update` and the group math of
-`quantize_per_group.reference`; compiled, its log and exp are the GPU's
-approximate instructions (see `kernel_ops`), so the FP8 moments are held to
-tolerances of the reference, not its bits.
+`quantize_per_group.reference`; compiled with `approx` (the default), the
+group math runs in the log2 domain on the GPU's approximate lg2/ex2
+(`quantize_per_group.log2_math`, see `kernel_ops`) and Adam divides by a
+reciprocal, so the FP8 moments are held to tolerances of the reference, not
+its bits.
 """
 
 import dataclasses
@@ -23,6 +25,7 @@ from pallas_kernels import _common
 from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
 from pallas_kernels.coat_adam_step import reference
+from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
 
 _HP_NAMES = ('c1', 'b1', 'c2', 'b2', 'bc1', 'bc2', 'eps', 'wd', 'neg_lr',
@@ -39,8 +42,10 @@ class BlockSizes(_common.GroupBlockSizes):
   num_warps: int = 2
 
 
-# The update's tiles (no param: 12 bytes per element moved instead of 16);
-# the step's until benchmarks/optimizer.py --sweep says otherwise.
+# The tiles of each op when none are given (read when traced, so that
+# benchmarks/optimizer.py --sweep can time others). The update moves 12 bytes
+# per element, the step 16.
+STEP_BLOCK_SIZES = BlockSizes()
 UPDATE_BLOCK_SIZES = BlockSizes()
 
 
@@ -85,14 +90,29 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
     step()
 
 
+# The group math of the compiled kernels with `approx`: 'log2' (one log2
+# and one exp2 per element and direction, `log2_math`), 'log2_table' (the
+# same, the decode's log2 from the code's bits: fewer special-function ops,
+# more integer ops) or 'ln' (the reference's expressions on approximate log
+# and exp). Read when traced: benchmarks/optimizer.py --sweep times them.
+APPROX_MATH = 'log2'
+
+
 def kernel_ops(interpret: bool, approx: bool) -> _common.Ops:
-  """The kernels' ops: compiled with `approx`, the group math's log and exp
-  are the GPU's approximate instructions (lg2.approx, ex2.approx: on the H100
-  the fused step went from 2.04 to ~1.63 ms per 2^28 params, RESULTS.md
-  "Ceiling"); interpreted, the reference's own ops."""
+  """The kernels' ops: compiled with `approx`, the group math on the GPU's
+  approximate lg2/ex2 (`APPROX_MATH`; on the H100 the reference's expressions
+  on them took the fused step from 2.04 to ~1.63 ms per 2^28 params,
+  RESULTS.md "Ceiling"); interpreted or without `approx`, the reference's
+  own ops."""
   ops = _common.kernel_ops(interpret)
-  return ops if interpret or not approx else (
-      _common.approx_transcendentals(ops))
+  if interpret or not approx:
+    return ops
+  if APPROX_MATH == 'log2':
+    return _common.approx_log2_domain(ops)
+  if APPROX_MATH == 'log2_table':
+    return dataclasses.replace(_common.approx_log2_domain(ops),
+                               code_log2=group_reference.code_log2)
+  return _common.approx_transcendentals(ops)
 
 
 def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
@@ -183,21 +203,22 @@ def coat_adam_step(
     nu: reference.Moment, hp: dict[str, jax.Array],
     apply: jax.Array | bool = True, *, group_size: int,
     expansion: bool, apply_weight_decay: bool,
-    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
+    block_sizes: BlockSizes | None = None, interpret: bool = False,
     approx: bool = True, layer: int | None = None
 ) -> tuple[jax.Array, reference.Moment, reference.Moment]:
   """Pallas version of `reference.coat_adam_step` given its hyperparams.
 
   With `apply` False (a bool scalar) no program writes: param and moments
-  come back as given, in place. `approx`: see `kernel_ops`. With `layer`,
-  param and moments are stacks (L, *grad.shape) and only that layer is
-  read and written (in place; the other layers are left as they are).
+  come back as given, in place. `approx`: see `kernel_ops`. `block_sizes`
+  None: `STEP_BLOCK_SIZES` (read when traced). With `layer`, param and
+  moments are stacks (L, *grad.shape) and only that layer is read and
+  written (in place; the other layers are left as they are).
   """
   return _fused_call(
       param, grad, mu, nu, hp, apply, group_size=group_size,
       expansion=expansion, apply_weight_decay=apply_weight_decay,
-      block_sizes=block_sizes, interpret=interpret, approx=approx,
-      layer=layer)
+      block_sizes=block_sizes or STEP_BLOCK_SIZES, interpret=interpret,
+      approx=approx, layer=layer)
 
 
 @functools.partial(

@@ -36,10 +36,11 @@ def coat_adam_update(
     group_size: the moments' group size (static).
     expansion: whether the moments use dynamic range expansion (static).
     implementation: None (fastest available), 'xla' or 'pallas'.
-    approx: the compiled GPU kernel's group math uses the approximate
-      lg2/ex2 instructions (faster; FP8 moments within a code step or two of
-      the reference's in rare elements). False: the reference's exact ops.
-      Interpreted kernels always use exact ops.
+    approx: the compiled GPU kernel's group math runs in the log2 domain on
+      the approximate lg2/ex2 instructions, and Adam's division on rcp
+      (faster; FP8 moments within a code step or two of the reference's in
+      rare elements, decoded values within ~5e-6). False: the reference's
+      exact ops. Interpreted kernels always use exact ops.
 
   Returns:
     (float32 direction of grad's shape, new_mu, new_nu).

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels import _common
 from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
+from pallas_kernels.quantize_per_group import log2_math
 from pallas_kernels.quantize_per_group import reference
 
 
@@ -37,26 +38,34 @@ def _spec(block, ncb):
 
 def load_groups(q_refs, mask, gmask, group_size, dtype, ops):
   """A tile's FP8 codes and metadata from (values, scale[, exponent]) refs,
-  decoded: float32 (br, bc). Lanes outside `mask` hold codes 0."""
+  decoded: float32 (br, bc). Lanes outside `mask` hold codes 0. With
+  `ops.log2` set and expansion, `log2_math`'s formulation."""
   br, bc = q_refs[0].shape
   codes = _common.masked_load(q_refs[0], mask, 0.0)
   scale = _common.masked_load(q_refs[1], gmask, 1.0)
   exponent = (_common.masked_load(q_refs[2], gmask, 1.0)
               if len(q_refs) == 3 else None)
-  out = reference.decode_groups(
-      codes.reshape(br, bc // group_size, group_size), scale, exponent, dtype,
-      ops)
+  groups = codes.reshape(br, bc // group_size, group_size)
+  if exponent is not None and ops.log2 is not None:
+    out = log2_math.decode_groups(groups, scale, exponent, dtype, ops)
+  else:
+    out = reference.decode_groups(groups, scale, exponent, dtype, ops)
   return out.reshape(br, bc)
 
 
 def store_groups(x, q_refs, mask, gmask, group_size, dtype, expansion,
                  scale_dtype, ops):
   """Quantizes a float32 tile (br, bc) whose lanes outside `mask` are 0 and
-  stores values, scale (and exponent) to `q_refs`."""
+  stores values, scale (and exponent) to `q_refs` (`log2_math`'s
+  formulation with `ops.log2` set and expansion)."""
   br, bc = x.shape
-  values, scale, exponent = reference.encode_groups(
-      x.reshape(br, bc // group_size, group_size), dtype, expansion,
-      scale_dtype, ops)
+  groups = x.reshape(br, bc // group_size, group_size)
+  if expansion and ops.log2 is not None:
+    values, scale, exponent = log2_math.encode_groups(
+        groups, dtype, scale_dtype, ops)
+  else:
+    values, scale, exponent = reference.encode_groups(
+        groups, dtype, expansion, scale_dtype, ops)
   pltriton.store(q_refs[0], values.reshape(br, bc), mask=mask)
   pltriton.store(q_refs[1], scale, mask=gmask)
   if expansion:
