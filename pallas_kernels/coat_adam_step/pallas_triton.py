@@ -25,8 +25,8 @@ from pallas_kernels import _common
 from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
 from pallas_kernels.coat_adam_step import reference
-from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
+from pallas_kernels.quantize_per_group import reference as group_reference
 
 _HP_NAMES = ('c1', 'b1', 'c2', 'b2', 'bc1', 'bc2', 'eps', 'wd', 'neg_lr',
              'gscale')
