@@ -4,17 +4,15 @@ A policy decides which values a decoder layer keeps for backward; the rest
 is recomputed from the layer's input (always kept) during backward. Names
 follow MaxText's `remat_policy`:
 
-- 'none': no `jax.checkpoint`: whatever autodiff and the custom_vjps save
-  (in FP8 modes also each weight's FP8 codes, 1 byte per param, so that each
-  weight is quantized once per step). Under `nnx.scan` this stacks every
-  residual of the layer body, including elementwise ones that XLA would
-  recompute for unrolled layers.
+- 'none': no `jax.checkpoint`: whatever autodiff and the custom_vjps save.
+  Under `nnx.scan` this stacks every residual of the layer body, including
+  elementwise ones that XLA would recompute for unrolled layers.
 - 'minimal': keeps the projections' outputs (q, k, v, the attention output
   projection, SwiGLU's gate and up), the attention output and the flash
   attention kernel's outputs, and in 'fp8_linear' and 'coat' modes the FP8
   residuals of the custom_vjps (in 'coat' those replace the BF16 GEMM
   outputs); recomputes elementwise work (norms, RoPE, SwiGLU, residual adds)
-  and the FP8 weights' quantization, never a GEMM.
+  and never a GEMM.
 - 'minimal_offloaded': what 'minimal' keeps, moved to pinned host memory in
   forward and back in backward (GPU only: needs host memory spaces).
 - 'full': keeps only each layer's input; backward reruns the layer's whole

@@ -20,15 +20,12 @@ from coat_jax.nn.norm import fp8_rms_norm
 from coat_jax.nn.norm import rms_norm
 from coat_jax.nn.partitioning import LOGICAL_AXIS_RULES
 from coat_jax.nn.precision import PRECISIONS
-from coat_jax.nn.residuals import FP8_RESIDUAL
-from coat_jax.nn.residuals import FP8_WEIGHT
 from coat_jax.nn.residuals import activation_residuals
 from coat_jax.nn.residuals import nbytes
 from coat_jax.nn.residuals import saved_residuals
 
 __all__ = [
-    'CoatLinear', 'CoatMLP', 'CoatRMSNorm', 'FP8_RESIDUAL', 'FP8_WEIGHT',
-    'LOGICAL_AXIS_RULES',
+    'CoatLinear', 'CoatMLP', 'CoatRMSNorm', 'LOGICAL_AXIS_RULES',
     'PRECISIONS', 'activation_residuals', 'bf16_dense', 'dense', 'fanout',
     'fp8_dense', 'fp8_matmul', 'fp8_matmul_groups', 'fp8_rms_norm',
     'fp8_swiglu', 'nbytes', 'rms_norm', 'saved_residuals', 'swiglu',

@@ -1,15 +1,13 @@
 """Linear layers: BF16, or FP8 GEMMs that save only the FP8 input.
 
 `fp8_dense` is a `jax.custom_vjp` whose forward quantizes the input and each
-weight per-tensor to E4M3 just in time and keeps the FP8 input and its scale
-(an activation) and each weight's FP8 codes and scale (a weight-sized
-residual, named apart so that remat policies may recompute it): each weight
-is quantized once per step. The backward quantizes each output gradient
-per-tensor to E5M2 and runs dgrad (dy . W) and wgrad (x^T . dy) as FP8
-GEMMs. `fp8_matmul` needs K-major operands, so the input, the weights and
-the output gradients are quantized together with their FP8 transposes, in
-one pass (`pallas_kernels.quantize_per_tensor`), and the input is saved
-transposed.
+weight per-tensor to E4M3 just in time and keeps only the FP8 input and its
+scale (the weights are params, alive anyway: backward requantizes them). The
+backward quantizes each output gradient per-tensor to E5M2 and runs dgrad
+(dy . W) and wgrad (x^T . dy) as FP8 GEMMs. `fp8_matmul` needs K-major
+operands, so the input and the output gradients are quantized together with
+their FP8 transposes, in one pass (`pallas_kernels.quantize_per_tensor`),
+and the input is saved transposed.
 
 Several kernels may share one input (Q/K/V, gate/up): the input is then
 quantized and saved once.
@@ -24,6 +22,7 @@ serves W and W^T). Tokens are padded to a multiple of 128 there.
 """
 
 from collections.abc import Sequence
+import dataclasses
 import functools
 from types import MappingProxyType
 from typing import Any
@@ -37,7 +36,7 @@ from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
 from coat_jax.nn.residuals import name_fp8_residuals
-from coat_jax.nn.residuals import name_fp8_weights
+from coat_jax.quant import quantize_per_tensor
 from pallas_kernels.quantize_blockwise import api as block_quant
 from pallas_kernels.quantize_per_tensor import api as tensor_quant
 
@@ -53,13 +52,14 @@ def _fp8_dense_2d(x, kernels, implementation, gather_axes):
   return _fp8_dense_fwd(x, kernels, implementation, gather_axes)[0]
 
 
-def _gathered(values, gather_axes, i, transposed=False):
-  """FP8 codes of weight i (or of its transpose), all-gathered as FP8 under
-  FSDP when gather_axes is given (the float32 weight never moves)."""
-  if gather_axes is None:
-    return values
-  axes = gather_axes[i]
-  return fsdp.gather_fp8_weight(values, axes[::-1] if transposed else axes)
+def _quantize_weight(w, gather_axes, i):
+  """Per-tensor E4M3 weight i; with gather_axes the FSDP all-gather moves
+  the FP8 codes of the local shards, not the float32 weight."""
+  wq = quantize_per_tensor(w, 'e4m3')
+  if gather_axes is not None:
+    wq = dataclasses.replace(
+        wq, values=fsdp.gather_fp8_weight(wq.values, gather_axes[i]))
+  return wq
 
 
 def _quantize_with_transpose(x, dtype):
@@ -72,32 +72,26 @@ def _quantize_with_transpose(x, dtype):
 def _fp8_dense_fwd(x, kernels, implementation, gather_axes):
   x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
   outs = []
-  weights = []
   for i, w in enumerate(kernels):
-    # W^T (N, K) is the forward's K-major B; W's codes serve dgrad.
-    w_values, w_scale, w_t = _quantize_with_transpose(w, 'e4m3')
+    wq = _quantize_weight(w, gather_axes, i)
     outs.append(fp8_matmul(
-        x_values, _gathered(w_t, gather_axes, i, transposed=True), x_scale,
-        w_scale, out_dtype=x.dtype, implementation=implementation))
-    weights.append((w_values, w_scale))
-  # Saved: x^T (K, M), the K-major operand of wgrad (as many bytes as x),
-  # and each weight's (local, under FSDP) codes (K, N).
-  return tuple(outs), (name_fp8_residuals((x_t, x_scale))
-                       + (name_fp8_weights(tuple(weights)), kernels))
+        x_values, wq.values.T, x_scale, wq.scale, out_dtype=x.dtype,
+        implementation=implementation))
+  # Saved: x^T (K, M), the K-major operand of wgrad (as many bytes as x).
+  return tuple(outs), (name_fp8_residuals((x_t, x_scale)) + (kernels,))
 
 
 def _fp8_dense_bwd(implementation, gather_axes, residuals, grads):
-  x_t, x_scale, weights, kernels = residuals
+  x_t, x_scale, kernels = residuals
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
-  for i, (w, (w_values, w_scale), g) in enumerate(
-      zip(kernels, weights, grads, strict=True)):
+  for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
     g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
-    part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i), g_scale,
-                      w_scale, out_dtype=dgrad_dtype,
-                      implementation=implementation)
+    wq = _quantize_weight(w, gather_axes, i)
+    part = fp8_matmul(g_values, wq.values, g_scale, wq.scale,
+                      out_dtype=dgrad_dtype, implementation=implementation)
     dx = part if dx is None else dx + part
     dkernels.append(fp8_matmul(
         x_t, g_t, x_scale, g_scale, out_dtype=w.dtype,
@@ -135,11 +129,14 @@ def _tiles_with_transpose(x, dtype, transpose_block=(1, block_quant.TILE)):
       transpose_block=transpose_block, implementation=None)
 
 
-def _weight_blocks(w):
+def _weight_blocks(w, gather_axes, i):
   """W (K, N) in E4M3 128x128 blocks: (values (K, N), scales (K/128, N/128));
-  W^T's blocks are the transposed ones."""
+  W^T's blocks are the transposed ones. With gather_axes the FSDP
+  all-gather moves the FP8 codes (as `_quantize_weight`)."""
   values, scales, _, _ = block_quant.quantize_blockwise(
       w, (block_quant.TILE, block_quant.TILE), 'e4m3', implementation=None)
+  if gather_axes is not None:
+    values = fsdp.gather_fp8_weight(values, gather_axes[i])
   return values, scales
 
 
@@ -148,35 +145,30 @@ def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes):
   x_values, x_scales, x_t, x_t_scales = _tiles_with_transpose(
       _pad_tokens(x), 'e4m3')
   outs = []
-  weights = []
   for i, w in enumerate(kernels):
-    w_values, w_scales = _weight_blocks(w)
+    w_values, w_scales = _weight_blocks(w, gather_axes, i)
     outs.append(fp8_matmul(
-        x_values, _gathered(w_values, gather_axes, i).T, x_scales,
-        w_scales.T, out_dtype=x.dtype, implementation=implementation)[:rows])
-    weights.append((w_values, w_scales))
-  # Saved: x^T (K, M) tiled along tokens with its scales (K, M / 128), and
-  # each weight's (local) blocks.
-  return tuple(outs), (name_fp8_residuals((x_t, x_t_scales))
-                       + (name_fp8_weights(tuple(weights)), kernels))
+        x_values, w_values.T, x_scales, w_scales.T, out_dtype=x.dtype,
+        implementation=implementation)[:rows])
+  # Saved: x^T (K, M) tiled along tokens with its scales (K, M / 128).
+  return tuple(outs), (name_fp8_residuals((x_t, x_t_scales)) + (kernels,))
 
 
 def _fp8_dense_block_bwd(implementation, gather_axes, residuals, grads):
-  x_t, x_t_scales, weights, kernels = residuals
+  x_t, x_t_scales, kernels = residuals
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
   rows = grads[0].shape[0]
-  for i, (w, (w_values, w_scales), g) in enumerate(
-      zip(kernels, weights, grads, strict=True)):
+  for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
     # g^T, wgrad's B operand, in 128x128 blocks: the block-scaled GEMM runs
     # per-row B scales at 0.6x the speed of per-block ones (NOTES.md).
     g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
         _pad_tokens(g), 'e5m2', (block_quant.TILE, block_quant.TILE))
+    w_values, w_scales = _weight_blocks(w, gather_axes, i)
     # dgrad: K of the GEMM is N; b = W (K, N) with W's own blocks.
-    part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i),
-                      g_scales, w_scales,
+    part = fp8_matmul(g_values, w_values, g_scales, w_scales,
                       out_dtype=dgrad_dtype, implementation=implementation)
     dx = part if dx is None else dx + part
     # wgrad: K of the GEMM is the tokens; x^T tiled along them (a scale per

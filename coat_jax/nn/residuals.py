@@ -14,20 +14,9 @@ import numpy as np
 FP8_RESIDUAL = 'fp8_residual'
 
 
-# The checkpoint_name of the FP8 weights (codes and scales) that the FP8
-# linear layers quantize in forward and keep for backward's dgrad: weight-
-# sized, not activations, so a remat policy may recompute them instead.
-FP8_WEIGHT = 'fp8_weight'
-
-
 def name_fp8_residuals(tree: Any) -> Any:
   """`tree` with each array leaf tagged FP8_RESIDUAL (an identity)."""
   return jax.tree.map(lambda x: checkpoint_name(x, FP8_RESIDUAL), tree)
-
-
-def name_fp8_weights(tree: Any) -> Any:
-  """`tree` with each array leaf tagged FP8_WEIGHT (an identity)."""
-  return jax.tree.map(lambda x: checkpoint_name(x, FP8_WEIGHT), tree)
 
 
 def saved_residuals(
