@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common
 from pallas_kernels.quantize_per_group import reference as group_reference
-from pallas_kernels.quantize_per_tensor import reference as tensor_reference
 
 GROUP_SIZE = 16
 FP8 = 'e4m3'
@@ -43,7 +43,7 @@ def rms_norm_fp8_fwd(
   y = (xf * rstd * scale.astype(jnp.float32)).astype(x.dtype)
   codes, scales, _ = group_reference.quantize_per_group(
       x, group_size, FP8, scale_dtype=scale_dtype)
-  return y, codes, scales, rstd, tensor_reference.tensor_amax(y)
+  return y, codes, scales, rstd, _common.tensor_abs_max(y)
 
 
 def rms_norm_fp8_bwd(

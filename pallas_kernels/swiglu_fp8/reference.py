@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common
 from pallas_kernels.quantize_per_group import reference as group_reference
-from pallas_kernels.quantize_per_tensor import reference as tensor_reference
 
 GROUP_SIZE = 16
 FP8 = 'e4m3'
@@ -43,7 +43,7 @@ def swiglu_fp8_fwd(
   h = (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
   quantize = lambda x: group_reference.quantize_per_group(
       x, group_size, FP8, scale_dtype=scale_dtype)[:2]
-  return h, quantize(gate), quantize(up), tensor_reference.tensor_amax(h)
+  return h, quantize(gate), quantize(up), _common.tensor_abs_max(h)
 
 
 def swiglu_fp8_bwd(
@@ -68,5 +68,5 @@ def swiglu_fp8_bwd(
   dup = dhf * g * s
   dgate = dhf * u * s * (1.0 + g * (1.0 - s))
   dgate, dup = dgate.astype(dh.dtype), dup.astype(dh.dtype)
-  return (dgate, dup, tensor_reference.tensor_amax(dgate),
-          tensor_reference.tensor_amax(dup))
+  return (dgate, dup, _common.tensor_abs_max(dgate),
+          _common.tensor_abs_max(dup))

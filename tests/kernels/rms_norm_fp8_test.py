@@ -101,17 +101,18 @@ def _check(x, scale, block_sizes=None, interpret=True):
 
 def _assert_forward(out, ref, exact):
   """codes and scales the same bits; y, rstd, amax too if `exact`, else
-  rstd within 2 ulp (another summation order or rsqrt), y and amax within
-  one ulp of y's dtype (plus the float32 rounding that moves)."""
+  rstd within the rounding of a sum of H squares in another order (and
+  2 ulp of rsqrt), y and amax within that plus one ulp of y's dtype."""
   for i, what in ((1, 'codes'), (2, 'scales')):
     _assert_same(out[i], ref[i], what)
   if exact:
     for i, what in ((0, 'y'), (3, 'rstd'), (4, 'amax')):
       _assert_same(out[i], ref[i], what)
     return
-  _assert_close(out[3], ref[3], 2 * F32_EPS * np.abs(_f32(ref[3])), 'rstd')
-  tol = (float(jnp.finfo(ref[0].dtype).eps) + 4 * F32_EPS) * np.abs(
-      _f32(ref[0]))
+  rstd_rel = F32_EPS * (2 + 4 * np.sqrt(ref[0].shape[-1]))
+  _assert_close(out[3], ref[3], rstd_rel * np.abs(_f32(ref[3])), 'rstd')
+  tol = (float(jnp.finfo(ref[0].dtype).eps) + rstd_rel + 4 * F32_EPS) * (
+      np.abs(_f32(ref[0])))
   _assert_close(out[0], ref[0], tol, 'y')
   _assert_close(out[4], ref[4], tol.max(initial=0.0), 'amax')
 
@@ -186,6 +187,12 @@ def test_amax_is_max_abs_y():
   zero = api.rms_norm_fp8_fwd(jnp.zeros((3, 32)), scale[:32],
                               implementation='pallas')
   assert float(zero[-1]) == 0.0
+  # One NaN in a large y: NaN (XLA's CPU max reduction alone would drop it).
+  x = _data((16, 2048), seed=14).at[9, 1000].set(jnp.nan)
+  scale = jnp.ones((2048,), jnp.float32)
+  for impl in ('pallas', 'xla'):
+    assert np.isnan(float(api.rms_norm_fp8_fwd(
+        x, scale, implementation=impl)[-1])), impl
 
 
 def test_dispatch_jit_and_bad_input():
@@ -236,9 +243,11 @@ def test_gpu_kernels_match_xla(shape, dtype):
   _assert_forward(pallas_triton.rms_norm_fp8_fwd(clean, scale, EPS),
                   reference.rms_norm_fp8_fwd(clean, scale, EPS), exact=False)
   dx_tol, ds_tol = _bwd_bounds(*ref[1:4], scale, g, g.dtype)
+  differ = lambda a, b: int(((_f32(a) != _f32(b))
+                              & ~np.isnan(_f32(b))).sum())
   print(f'\n{shape} {np.dtype(dtype).name}: y differing'
-        f' {int((_f32(out[0]) != _f32(ref[0])).sum())} / {x.size}, dx'
-        f' {int((_f32(dout[0]) != _f32(dref[0])).sum())}')
+        f' {differ(out[0], ref[0])} / {x.size}, dx'
+        f' {differ(dout[0], dref[0])}')
   _assert_close(dout[0], dref[0], dx_tol, 'dx')
   _assert_close(dout[1], dref[1], ds_tol, 'dscale')
 
