@@ -322,6 +322,7 @@ def bench_fused(results, quick):
     norm_configs += [norm_pallas.BlockSizes(target=t, steps=s, num_warps=w)
                      for t, s, w in ((2048, 8, None), (8192, 8, None),
                                      (4096, 4, None), (4096, 16, None),
+                                     (4096, 32, None),
                                      (4096, 8, 4), (8192, 4, 16))]
     swiglu_configs += [swiglu_pallas.BlockSizes(target=t, num_warps=w)
                        for t, w in ((2048, 4), (8192, 8), (4096, 8))]

@@ -4,6 +4,7 @@
 pass it as `amax=` to the per-tensor quantizer of the GEMM that reads y.
 """
 
+import math
 from typing import Any
 
 import jax
@@ -34,11 +35,14 @@ def _check(x: jax.Array, scale: jax.Array, group_size: int, what: str):
                      ' (16 for COAT).')
 
 
-def _use_pallas(implementation: str | None, group_size: int, cols: int):
+def _use_pallas(implementation: str | None, group_size: int,
+                shape: tuple[int, ...]):
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
-  # Blocks hold whole groups and Triton blocks are powers of two.
-  ok = group_size & (group_size - 1) == 0 and cols <= MAX_PALLAS_COLS
+  # Blocks hold whole groups and Triton blocks are powers of two; an empty
+  # array has no program to run.
+  ok = (group_size & (group_size - 1) == 0 and shape[-1] <= MAX_PALLAS_COLS
+        and math.prod(shape) > 0)
   return impl == 'pallas' and ok, interpret
 
 
@@ -67,7 +71,7 @@ def rms_norm_fp8_fwd(
   if sd not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
     raise ValueError(f'scale_dtype={scale_dtype!r} is not supported: use'
                      ' jnp.float32 or jnp.bfloat16.')
-  use, interpret = _use_pallas(implementation, group_size, x.shape[-1])
+  use, interpret = _use_pallas(implementation, group_size, x.shape)
   if use:
     from pallas_kernels.rms_norm_fp8 import pallas_triton
     return pallas_triton.rms_norm_fp8_fwd(
@@ -103,7 +107,7 @@ def rms_norm_fp8_bwd(
         f'codes {codes.shape} {codes.dtype}, scales {scales.shape} and rstd'
         f' {rstd.shape} must be the forward outputs for g {g.shape}: E4M3'
         f' codes of g\'s shape, scales (..., {ng}), rstd (..., 1).')
-  use, interpret = _use_pallas(implementation, group_size, g.shape[-1])
+  use, interpret = _use_pallas(implementation, group_size, g.shape)
   if use:
     from pallas_kernels.rms_norm_fp8 import pallas_triton
     return pallas_triton.rms_norm_fp8_bwd(

@@ -29,11 +29,13 @@ def _check_group_size(group_size: Any) -> int:
   return int(group_size)
 
 
-def _use_pallas(implementation: str | None, group_size: int):
+def _use_pallas(implementation: str | None, group_size: int, size: int):
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
-  # Tiles hold whole groups and Triton tiles are powers of two.
-  return impl == 'pallas' and group_size & (group_size - 1) == 0, interpret
+  # Tiles hold whole groups and Triton tiles are powers of two; an empty
+  # array has no program to run.
+  ok = group_size & (group_size - 1) == 0 and size > 0
+  return impl == 'pallas' and ok, interpret
 
 
 def swiglu_fp8_fwd(
@@ -64,7 +66,7 @@ def swiglu_fp8_fwd(
   if sd not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
     raise ValueError(f'scale_dtype={scale_dtype!r} is not supported: use'
                      ' jnp.float32 or jnp.bfloat16.')
-  use, interpret = _use_pallas(implementation, group_size)
+  use, interpret = _use_pallas(implementation, group_size, gate.size)
   if use:
     from pallas_kernels.swiglu_fp8 import pallas_triton
     return pallas_triton.swiglu_fp8_fwd(
@@ -102,7 +104,7 @@ def swiglu_fp8_bwd(
           f'{name} has codes {codes.shape} {codes.dtype} and scales'
           f' {scales.shape}; expected E4M3 codes {dh.shape} and scales'
           f' {sshape} (the forward outputs for dh {dh.shape}).')
-  use, interpret = _use_pallas(implementation, group_size)
+  use, interpret = _use_pallas(implementation, group_size, dh.size)
   if use:
     from pallas_kernels.swiglu_fp8 import pallas_triton
     return pallas_triton.swiglu_fp8_bwd(

@@ -206,6 +206,10 @@ def test_dispatch_jit_and_bad_input():
   for a, b in zip(f(x, scale), jax.jit(
       lambda x, s: reference.rms_norm_fp8_fwd(x, s, EPS))(x, scale)):
     _assert_same(a, b)
+  empty = api.rms_norm_fp8_fwd(x[:0], scale, implementation='pallas')
+  assert empty[0].shape == (0, 32) and float(empty[-1]) == 0.0
+  assert api.rms_norm_fp8_bwd(*empty[1:4], scale, x[:0],
+                              implementation='pallas')[1].shape == (32,)
   with pytest.raises(ValueError, match='implementation'):
     api.rms_norm_fp8_fwd(x, scale, implementation='triton')
   with pytest.raises(ValueError, match='scale has shape'):

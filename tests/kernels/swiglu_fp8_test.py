@@ -195,6 +195,10 @@ def test_dispatch_jit_and_bad_input():
   for a, b in zip(jax.tree.leaves(f(gate, up)), jax.tree.leaves(
       jax.jit(reference.swiglu_fp8_fwd)(gate, up))):
     _assert_same(a, b)
+  empty = api.swiglu_fp8_fwd(gate[:0], up[:0], implementation='pallas')
+  assert empty[0].shape == (0, 32) and float(empty[-1]) == 0.0
+  assert api.swiglu_fp8_bwd(*empty[1:3], gate[:0],
+                            implementation='pallas')[0].shape == (0, 32)
   with pytest.raises(ValueError, match='implementation'):
     api.swiglu_fp8_fwd(gate, up, implementation='triton')
   with pytest.raises(ValueError, match='same shape and dtype'):
