@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python benchmarks/kernels.py [--out results.jsonl] [--quick]
   PYTHONPATH=. python benchmarks/kernels.py --blockwise  # block quantizers
+  PYTHONPATH=. python benchmarks/kernels.py --fused  # norm and SwiGLU
 
 Every number in one run: a plain copy (x * 2 on 2^28 float32, bytes read +
 written) as the ceiling; each op's effective GB/s (the logical bytes it must
@@ -34,6 +35,10 @@ from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.quantize_per_tensor import pallas_triton as tensor_pallas
 from pallas_kernels.quantize_per_tensor import reference as tensor_reference
+from pallas_kernels.rms_norm_fp8 import pallas_triton as norm_pallas
+from pallas_kernels.rms_norm_fp8 import reference as norm_reference
+from pallas_kernels.swiglu_fp8 import pallas_triton as swiglu_pallas
+from pallas_kernels.swiglu_fp8 import reference as swiglu_reference
 
 # (impl label suffix, context the op is traced and timed in). The rows of the
 # group math from before issue 5 ('old') were retired with old_group_math.py.
@@ -293,20 +298,119 @@ def bench_blockwise(results, quick):
                         s=time_call(f, (w,), **timing)))
 
 
-def blockwise_table(results):
-  """GB/s of the block quantizers and their share of the same-shape copy."""
-  lines = [f'{"op":44s} {"impl":7s} {"us":>8s} {"GB/s":>7s} {"%copy":>6s}'
+# Tokens (batch 8 x 2048) x (hidden, intermediate) of the 1b and 7B models.
+_FUSED_TOKENS = int(os.environ.get('BENCH_FUSED_TOKENS', 16384))  # dry runs
+FUSED_SHAPES = ((2048, 5632), (4096, 11008))
+
+
+def bench_fused(results, quick):
+  """COAT's FP8 RMSNorm and SwiGLU, forward and backward: the one-pass
+  Pallas kernels against the XLA reference, and a bf16 copy of the same
+  width in the same run (2 bytes read, 2 written).
+
+  Logical bytes per element (each read or written once): norm forward
+  reads x (2) and writes y (2), codes (1) and bf16 scales (2 / 16); norm
+  backward reads codes, scales, g and writes dx: 5.125 each. SwiGLU
+  forward reads gate and up (4), writes h (2) and two codes + scales
+  (2.25); backward reads those groups and dh, writes dgate and dup: 8.25.
+  """
+  timing = dict(warm_s=2.0, iters=50, repeats=9)
+  m = _FUSED_TOKENS
+  norm_configs = [norm_pallas.BlockSizes()]
+  swiglu_configs = [swiglu_pallas.BlockSizes()]
+  if not quick:
+    norm_configs += [norm_pallas.BlockSizes(target=t, steps=s, num_warps=w)
+                     for t, s, w in ((2048, 8, None), (8192, 8, None),
+                                     (4096, 4, None), (4096, 16, None),
+                                     (4096, 32, None),
+                                     (4096, 8, 4), (8192, 4, 16))]
+    swiglu_configs += [swiglu_pallas.BlockSizes(target=t, num_warps=w)
+                       for t, w in ((2048, 4), (8192, 8), (4096, 8))]
+  key = jax.random.split(jax.random.key(8), 4)
+  for hidden, inter in FUSED_SHAPES:
+    for width in (hidden, inter):
+      copy_name = f'copy x*2 bf16 ({m}, {width})'
+      x = jax.random.normal(key[0], (m, width), jnp.bfloat16)
+      results.append(dict(
+          name=copy_name, impl='xla', bytes=4 * x.size, copy=copy_name,
+          s=time_call(jax.jit(lambda x: x * 2), (x,), **timing)))
+    copy_h = f'copy x*2 bf16 ({m}, {hidden})'
+    copy_i = f'copy x*2 bf16 ({m}, {inter})'
+    # RMSNorm (m, hidden).
+    x = jax.random.normal(key[0], (m, hidden), jnp.bfloat16) * 3
+    scale = jax.random.uniform(key[1], (hidden,), jnp.float32, 0.5, 1.5)
+    g = jax.random.normal(key[2], (m, hidden), jnp.bfloat16)
+    _, codes, scales, rstd, _ = jax.jit(
+        lambda x, s: norm_reference.rms_norm_fp8_fwd(x, s, 1e-5))(x, scale)
+    nbytes = x.size * 5.125
+    fwd = f'rms_norm_fp8 fwd ({m}, {hidden})'
+    bwd = f'rms_norm_fp8 bwd ({m}, {hidden})'
+    results.append(dict(name=fwd, impl='xla', bytes=nbytes, copy=copy_h,
+                        s=time_call(jax.jit(
+                            lambda x, s: norm_reference.rms_norm_fp8_fwd(
+                                x, s, 1e-5)), (x, scale), **timing)))
+    results.append(dict(name=bwd, impl='xla', bytes=nbytes, copy=copy_h,
+                        s=time_call(jax.jit(norm_reference.rms_norm_fp8_bwd),
+                                    (codes, scales, rstd, scale, g),
+                                    **timing)))
+    for bs in norm_configs:
+      f = jax.jit(lambda x, s, bs=bs: norm_pallas.rms_norm_fp8_fwd(
+          x, s, 1e-5, block_sizes=bs, interpret=_INTERPRET))
+      results.append(dict(name=fwd, impl='pallas', config=str(bs),
+                          bytes=nbytes, copy=copy_h,
+                          s=time_call(f, (x, scale), **timing)))
+      f = jax.jit(lambda *a, bs=bs: norm_pallas.rms_norm_fp8_bwd(
+          *a, block_sizes=bs, interpret=_INTERPRET))
+      results.append(dict(name=bwd, impl='pallas', config=str(bs),
+                          bytes=nbytes, copy=copy_h,
+                          s=time_call(f, (codes, scales, rstd, scale, g),
+                                      **timing)))
+    del x, g, codes, scales, rstd
+    # SwiGLU (m, inter).
+    gate = jax.random.normal(key[0], (m, inter), jnp.bfloat16) * 3
+    up = jax.random.normal(key[1], (m, inter), jnp.bfloat16)
+    dh = jax.random.normal(key[2], (m, inter), jnp.bfloat16)
+    _, gate_q, up_q, _ = jax.jit(swiglu_reference.swiglu_fp8_fwd)(gate, up)
+    nbytes = gate.size * 8.25
+    fwd = f'swiglu_fp8 fwd ({m}, {inter})'
+    bwd = f'swiglu_fp8 bwd ({m}, {inter})'
+    results.append(dict(name=fwd, impl='xla', bytes=nbytes, copy=copy_i,
+                        s=time_call(jax.jit(swiglu_reference.swiglu_fp8_fwd),
+                                    (gate, up), **timing)))
+    results.append(dict(name=bwd, impl='xla', bytes=nbytes, copy=copy_i,
+                        s=time_call(jax.jit(swiglu_reference.swiglu_fp8_bwd),
+                                    (gate_q, up_q, dh), **timing)))
+    for bs in swiglu_configs:
+      f = jax.jit(lambda g, u, bs=bs: swiglu_pallas.swiglu_fp8_fwd(
+          g, u, block_sizes=bs, interpret=_INTERPRET))
+      results.append(dict(name=fwd, impl='pallas', config=str(bs),
+                          bytes=nbytes, copy=copy_i,
+                          s=time_call(f, (gate, up), **timing)))
+      f = jax.jit(lambda g, u, d, bs=bs: swiglu_pallas.swiglu_fp8_bwd(
+          g, u, d, block_sizes=bs, interpret=_INTERPRET))
+      results.append(dict(name=bwd, impl='pallas', config=str(bs),
+                          bytes=nbytes, copy=copy_i,
+                          s=time_call(f, (gate_q, up_q, dh), **timing)))
+    del gate, up, dh, gate_q, up_q
+
+
+def blockwise_table(results, prefixes=('tiles', 'blocks', 'copy x*2 bf16'),
+                    ms=False):
+  """GB/s of the ops named with `prefixes` (the block quantizers by
+  default) and their share of the same-shape copy; times in us (or ms)."""
+  unit, per_s, digits = ('ms', 1e3, 3) if ms else ('us', 1e6, 1)
+  lines = [f'{"op":44s} {"impl":7s} {unit:>8s} {"GB/s":>7s} {"%copy":>6s}'
            f' {"vs xla":>7s}  config']
   xla = {r['name']: r['s'] for r in results if r['impl'] == 'xla'}
   for r in results:
-    if not (r['name'].startswith(('tiles', 'blocks', 'copy x*2 bf16'))):
+    if not r['name'].startswith(prefixes):
       continue
     bw = r['bytes'] / r['s'] / 1e9
     copy = rows_of(results, r.get('copy', ''))
     pct = (100 * bw / (copy[0]['bytes'] / copy[0]['s'] / 1e9) if copy
            else float('nan'))
     ratio = xla.get(r['name'], float('nan')) / r['s']
-    lines.append(f'{r["name"]:44s} {r["impl"]:7s} {r["s"] * 1e6:8.1f}'
+    lines.append(f'{r["name"]:44s} {r["impl"]:7s} {r["s"] * per_s:8.{digits}f}'
                  f' {bw:7.0f} {pct:5.0f}% {ratio:6.2f}x  {r.get("config", "")}')
   return '\n'.join(lines)
 
@@ -433,9 +537,15 @@ def main():
       '--blockwise', action='store_true',
       help='only the block quantizers (1x128 tiles with the transposed copy,'
       ' 128x128 blocks) against a same-shape copy')
+  parser.add_argument(
+      '--fused', action='store_true',
+      help='only the FP8 RMSNorm and SwiGLU kernels, forward and backward,'
+      ' at the 1b and 7B shapes, against XLA and a same-shape copy')
   args = parser.parse_args()
   if args.blockwise:
     args.only = 'blockwise'
+  if args.fused:
+    args.only = 'fused'
 
   dev = jax.devices()[0]
   print(f'# {dev.device_kind}, jax {jax.__version__},'
@@ -445,7 +555,7 @@ def main():
                  probe=lambda r, q: probe_xla_math(),
                  probe_ops=lambda r, q: probe_kernel_ops(),
                  tensor=bench_tensor, adam=bench_adam,
-                 blockwise=bench_blockwise)
+                 blockwise=bench_blockwise, fused=bench_fused)
   for name in args.only.split(','):
     try:
       benches[name](results, args.quick)
@@ -462,6 +572,9 @@ def main():
     print(table(results))
   if any(r['name'].startswith('tiles') for r in results):
     print(blockwise_table(results))
+  if any(r['name'].startswith(('rms_norm', 'swiglu')) for r in results):
+    print(blockwise_table(results, ('rms_norm', 'swiglu', 'copy x*2 bf16'),
+                          ms=True))
 
 
 if __name__ == '__main__':

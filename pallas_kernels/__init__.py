@@ -10,5 +10,8 @@ imported here: import it where needed.
 from pallas_kernels import coat_adam_step
 from pallas_kernels import quantize_per_group
 from pallas_kernels import quantize_per_tensor
+from pallas_kernels import rms_norm_fp8
+from pallas_kernels import swiglu_fp8
 
-__all__ = ['coat_adam_step', 'quantize_per_group', 'quantize_per_tensor']
+__all__ = ['coat_adam_step', 'quantize_per_group', 'quantize_per_tensor',
+           'rms_norm_fp8', 'swiglu_fp8']

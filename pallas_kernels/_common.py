@@ -124,6 +124,13 @@ def abs_max(absx: jax.Array, axis: int) -> jax.Array:
   return lax.bitcast_convert_type(jnp.max(bits, axis), jnp.float32)
 
 
+def tensor_abs_max(x: jax.Array) -> jax.Array:
+  """max |x| over the whole array as float32 (0 if empty), NaN if x holds
+  NaN: `abs_max` of the flat array (XLA's CPU max reduction drops NaN)."""
+  flat = jnp.abs(jnp.asarray(x).astype(jnp.float32)).reshape(-1)
+  return abs_max(flat, 0) if flat.size else jnp.float32(0)
+
+
 def _asm(instruction: str, *args: jax.Array) -> jax.Array:
   args = jnp.broadcast_arrays(*[jnp.asarray(a, jnp.float32) for a in args])
   constraints = '=f' + ',f' * len(args)
