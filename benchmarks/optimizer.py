@@ -173,7 +173,7 @@ def main():
 # The kernel variants of --sweep and the attribute holding each one's tiles.
 SWEEP_KERNELS = {'coat_adamw kernel (None)': 'UPDATE_BLOCK_SIZES',
                  'fused_coat_adamw (in place)': 'STEP_BLOCK_SIZES'}
-SWEEP_TILES = ((2048, 2), (1024, 4), (2048, 4), (4096, 4))  # target, warps
+SWEEP_TILES = ((1024, 2), (2048, 2), (1024, 4), (4096, 4))  # target, warps
 
 
 def _sweep_runs():

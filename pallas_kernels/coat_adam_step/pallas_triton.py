@@ -35,8 +35,7 @@ _APPLY = len(_HP_NAMES)  # hp_vec[_APPLY] == 0: write nothing (skipped step)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes(_common.GroupBlockSizes):
-  """Tiles of the fused step: smaller than the quantizers' and 2 warps (on an
-  H200, 1.99 ms per 2^28 params vs 2.06 ms with 4 warps, RESULTS.md)."""
+  """Tiles of the Adam kernels: target elements per program and warps."""
 
   target: int = 1024
   num_warps: int = 2
@@ -44,9 +43,10 @@ class BlockSizes(_common.GroupBlockSizes):
 
 # The tiles of each op when none are given (read when traced, so that
 # benchmarks/optimizer.py --sweep can time others). The update moves 12 bytes
-# per element, the step 16.
-STEP_BLOCK_SIZES = BlockSizes()
-UPDATE_BLOCK_SIZES = BlockSizes()
+# per element, the step 16. With the log2 math, 2048 elements on 4 warps
+# were the fastest of the sweep for both on an H200 (RESULTS.md "optimizer").
+STEP_BLOCK_SIZES = BlockSizes(target=2048, num_warps=4)
+UPDATE_BLOCK_SIZES = BlockSizes(target=2048, num_warps=4)
 
 
 def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,

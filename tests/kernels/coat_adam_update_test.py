@@ -19,6 +19,7 @@ import pytest
 import coat_jax
 from pallas_kernels.coat_adam_update import api
 from pallas_kernels.coat_adam_update import reference
+from pallas_kernels.quantize_per_group import reference as group_reference
 
 
 def _codes(a):
@@ -158,13 +159,24 @@ def _assert_close_to_reference(out, ref):
   np.testing.assert_allclose(u, u_ref, rtol=1e-4, atol=1e-5)
   for new, want in ((mu, mu_ref), (nu, nu_ref)):
     diff = np.abs(_codes(new.values) - _codes(want.values))
-    # Codes within 2 steps, in at most 1% of the elements.
-    assert diff.max(initial=0) <= 2 and (diff > 0).mean() <= 0.01, (
-        diff.max(initial=0), (diff > 0).mean())
-    np.testing.assert_allclose(new.scale, want.scale, rtol=1e-6)
-    if want.exponent is not None:  # exponents step by 1/16: at most one
+    moved = np.zeros(diff.shape, bool)  # elements of a group whose
+    if want.exponent is not None:  # exponent moved (by 1/16: at most one)
       step = np.abs(np.asarray(new.exponent) - np.asarray(want.exponent))
       assert step.max(initial=0) <= 1 / 16 + 1e-6
+      assert (step > 0).mean() <= 1e-3, (step > 0).mean()
+      moved = np.repeat(step > 0, 128, axis=-1)[..., :diff.shape[-1]]
+    # Codes within 2 steps, in at most 1% of the elements, except in a group
+    # whose exponent took the neighbouring step at a rounding boundary (seen
+    # on an H200: one group in 2^15, its codes all re-encoded, up to 8 steps):
+    # there the decoded values agree to E4M3's relative precision.
+    assert diff[~moved].max(initial=0) <= 2, diff[~moved].max(initial=0)
+    assert (diff > 0).mean() <= 0.01, (diff > 0).mean()
+    decode = lambda q: np.asarray(group_reference.dequantize_per_group(
+        q.values, q.scale, q.exponent, 128))
+    got, ref = decode(new)[moved], decode(want)[moved]
+    np.testing.assert_allclose(got, ref, rtol=2**-3,
+                               atol=1e-6 * np.abs(ref).max(initial=0))
+    np.testing.assert_allclose(new.scale, want.scale, rtol=1e-6)
 
 
 @pytest.mark.gpu
