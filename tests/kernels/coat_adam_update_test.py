@@ -168,13 +168,13 @@ def _assert_close_to_reference(out, ref):
     # Codes within 2 steps, in at most 1% of the elements, except in a group
     # whose exponent took the neighbouring step at a rounding boundary (seen
     # on an H200: one group in 2^15, its codes all re-encoded, up to 8 steps):
-    # there the decoded values agree to E4M3's relative precision.
+    # there the decoded values agree within two steps of E4M3 (2 x 2^-3).
     assert diff[~moved].max(initial=0) <= 2, diff[~moved].max(initial=0)
     assert (diff > 0).mean() <= 0.01, (diff > 0).mean()
     decode = lambda q: np.asarray(group_reference.dequantize_per_group(
         q.values, q.scale, q.exponent, 128))
     got, ref = decode(new)[moved], decode(want)[moved]
-    np.testing.assert_allclose(got, ref, rtol=2**-3,
+    np.testing.assert_allclose(got, ref, rtol=2**-2,
                                atol=1e-6 * np.abs(ref).max(initial=0))
     np.testing.assert_allclose(new.scale, want.scale, rtol=1e-6)
 
