@@ -35,6 +35,7 @@ from coat_jax.nn import fsdp
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
+from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.quant import quantize_per_tensor
 from pallas_kernels.quantize_blockwise import api as block_quant
@@ -83,6 +84,7 @@ def _fp8_dense_fwd(x, kernels, implementation, gather_axes):
 
 def _fp8_dense_bwd(implementation, gather_axes, residuals, grads):
   x_t, x_scale, kernels = residuals
+  (x_t, x_scale), grads = after_grads((x_t, x_scale), grads)
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
@@ -156,6 +158,7 @@ def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes):
 
 def _fp8_dense_block_bwd(implementation, gather_axes, residuals, grads):
   x_t, x_t_scales, kernels = residuals
+  (x_t, x_t_scales), grads = after_grads((x_t, x_t_scales), grads)
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None

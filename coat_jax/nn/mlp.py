@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from coat_jax.nn import linear
 from coat_jax.nn import precision as precision_lib
+from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.quant import dequantize
 from coat_jax.quant import quantize_per_group
@@ -45,7 +46,7 @@ def _fp8_swiglu_fwd(gate, up):
 
 
 def _fp8_swiglu_bwd(residuals, dh):
-  gate_q, up_q = residuals
+  (gate_q, up_q), dh = after_grads(residuals, dh)
   g = dequantize(gate_q, jnp.float32)
   u = dequantize(up_q, jnp.float32)
   s = jax.nn.sigmoid(g)

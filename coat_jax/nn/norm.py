@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
+from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.quant import dequantize
 from coat_jax.quant import quantize_per_group
@@ -61,6 +62,7 @@ def _fp8_rms_norm_fwd(x, scale, eps):
 def _fp8_rms_norm_bwd(eps, residuals, g):
   del eps
   xq, rstd, scale = residuals
+  (xq, rstd), g = after_grads((xq, rstd), g)
   x_hat = dequantize(xq, jnp.float32) * rstd
   gf = g.astype(jnp.float32)
   g_hat = gf * scale.astype(jnp.float32)
