@@ -109,8 +109,9 @@ def _fanout_bwd(x_t, x_scale, kernels, wqs, grads, implementation):
   quantization pass. The rescaled gradient is rounded to its dtype once
   (bfloat16: 2^-9 relative, 64x below E5M2's 2^-3 half-step); one per-tensor
   scale for all g_i changes only values 2^-16 of the largest one, E5M2's
-  normal range. dW_i = (x^T [g_1 r_1 | ...])[:, N_i] / r_i, from one wgrad
-  GEMM over the same codes.
+  normal range. dW_i = x^T (g_i r_i) / r_i: a wgrad GEMM on rows N_i of the
+  same transposed codes, 1 / r_i folded into its scale (one GEMM over all
+  of them would add a float32 (K, sum N_i) temporary and a pass over it).
   """
   dtype = grads[0].dtype
   w_scale = functools.reduce(jnp.maximum, [wq.scale for wq in wqs])
@@ -122,13 +123,13 @@ def _fanout_bwd(x_t, x_scale, kernels, wqs, grads, implementation):
   w_values = jnp.concatenate([wq.values for wq in wqs], axis=1)
   dx = fp8_matmul(g_values, w_values, g_scale, w_scale, out_dtype=dtype,
                   implementation=implementation)
-  dw = fp8_matmul(x_t, g_t, x_scale, g_scale, out_dtype=jnp.float32,
-                  implementation=implementation)
   dkernels = []
   start = 0
   for w, r in zip(kernels, ratios, strict=True):
     stop = start + w.shape[1]
-    dkernels.append((dw[:, start:stop] / r).astype(w.dtype))
+    dkernels.append(fp8_matmul(
+        x_t, g_t[start:stop], x_scale, g_scale / r, out_dtype=w.dtype,
+        implementation=implementation))
     start = stop
   return dx, tuple(dkernels)
 
