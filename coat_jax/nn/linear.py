@@ -10,8 +10,9 @@ their FP8 transposes, in one pass (`pallas_kernels.quantize_per_tensor`),
 and the input is saved transposed.
 
 Several kernels may share one input (Q/K/V, gate/up): the input is then
-quantized and saved once, and their backward runs one dgrad and one wgrad
-GEMM over the concatenated output gradients (`_fanout_bwd`).
+quantized and saved once, and their backward quantizes the concatenated
+output gradients once and runs one dgrad GEMM over them (`_fanout_bwd`;
+with block scaling when every N_i is a multiple of 128).
 
 `scaling='block'` (DeepSeek-V3 granularity, DESIGN section 1) replaces the
 per-tensor scales: the input and the output gradients in 1x128 tiles along
@@ -192,11 +193,15 @@ def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes):
 def _fp8_dense_block_bwd(implementation, gather_axes, residuals, grads):
   x_t, x_t_scales, kernels = residuals
   (x_t, x_t_scales), grads = after_grads((x_t, x_t_scales), grads)
+  rows = grads[0].shape[0]
+  if len(kernels) > 1 and all(
+      w.shape[1] % block_quant.TILE == 0 for w in kernels):
+    return _block_fanout_bwd(x_t, x_t_scales, kernels, grads, rows,
+                             implementation, gather_axes)
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
-  rows = grads[0].shape[0]
   for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
     # g^T, wgrad's B operand, in 128x128 blocks: the block-scaled GEMM runs
     # per-row B scales at 0.6x the speed of per-block ones (NOTES.md).
@@ -213,6 +218,34 @@ def _fp8_dense_block_bwd(implementation, gather_axes, residuals, grads):
         x_t, g_t, x_t_scales, g_t_scales, out_dtype=w.dtype,
         implementation=implementation))
   return dx[:rows].astype(dtype), tuple(dkernels)
+
+
+def _block_fanout_bwd(x_t, x_t_scales, kernels, grads, rows,
+                      implementation, gather_axes):
+  """Block-scaled fan-out backward, every N_i a multiple of 128: the tiles
+  and blocks of [g_1 | g_2 | ...] are those of each g_i (none straddles
+  two), so one quantization of the concatenated gradients, one dgrad GEMM
+  over the concatenated N (no float32 (M, K) parts, no sum) and a wgrad
+  GEMM per kernel on its rows of g^T give the per-kernel codes and scales.
+  """
+  tile = block_quant.TILE
+  g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
+      _pad_tokens(jnp.concatenate(grads, axis=1)), 'e5m2', (tile, tile))
+  blocks = [_weight_blocks(w, gather_axes, i) for i, w in enumerate(kernels)]
+  dx = fp8_matmul(
+      g_values, jnp.concatenate([v for v, _ in blocks], axis=1), g_scales,
+      jnp.concatenate([s for _, s in blocks], axis=1),
+      out_dtype=grads[0].dtype, implementation=implementation)
+  dkernels = []
+  start = 0
+  for w in kernels:
+    stop = start + w.shape[1]
+    dkernels.append(fp8_matmul(
+        x_t, g_t[start:stop], x_t_scales,
+        g_t_scales[start // tile:stop // tile], out_dtype=w.dtype,
+        implementation=implementation))
+    start = stop
+  return dx[:rows], tuple(dkernels)
 
 
 _fp8_dense_block_2d.defvjp(_fp8_dense_block_fwd, _fp8_dense_block_bwd)

@@ -293,6 +293,31 @@ def test_block_fanout_saves_only_fp8_and_scales():
     assert _rel(a, b) < 0.1
 
 
+def test_block_fanout_backward_matches_each_kernel_alone():
+  """Outputs of 128-multiples: one quantization of the concatenated output
+  gradients gives each kernel's tiles and blocks, so every dW_i equals the
+  kernel's own backward bit for bit, and dx their sum (summed inside one
+  GEMM rather than as float32 parts: bf16 output rounding apart)."""
+  k = jax.random.split(_key(), 7)
+  x = jax.random.normal(k[0], (2, 50, 128), jnp.bfloat16)
+  ws = [jax.random.normal(k[1 + i], (128, n)) * 0.05
+        for i, n in enumerate((256, 128, 128))]
+  dys = [(jax.random.normal(k[4 + i], (2, 50, w.shape[1])) * m).astype(
+      jnp.bfloat16) for i, (w, m) in enumerate(zip(ws, (1, 10, 0.01)))]
+  _, vjp = jax.vjp(lambda x, ws: cnn.fp8_dense(x, ws, scaling='block'), x,
+                   ws)
+  dx, dws = jax.jit(vjp)(tuple(dys))
+  dx_sum = np.zeros(x.shape, np.float32)
+  for w, dy, dw in zip(ws, dys, dws, strict=True):
+    _, vjp1 = jax.vjp(_block, x, w)
+    dx1, dw1 = jax.jit(vjp1)(dy)
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw1))
+    dx_sum += np.asarray(dx1, np.float32)
+  assert dx.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(dx, np.float32), dx_sum, rtol=2**-7,
+                             atol=2**-7 * np.abs(dx_sum).max())
+
+
 def test_block_nan_stays_in_its_token():
   """Per-tile scales: a NaN input poisons its own token's outputs only."""
   x = jnp.ones((16, 32), jnp.bfloat16).at[3, 5].set(jnp.nan)
