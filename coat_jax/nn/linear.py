@@ -110,9 +110,9 @@ def _fanout_bwd(x_t, x_scale, kernels, wqs, grads, implementation):
   quantization pass. The rescaled gradient is rounded to its dtype once
   (bfloat16: 2^-9 relative, 64x below E5M2's 2^-3 half-step); one per-tensor
   scale for all g_i changes only values 2^-16 of the largest one, E5M2's
-  normal range. dW_i = x^T (g_i r_i) / r_i: a wgrad GEMM on rows N_i of the
-  same transposed codes, 1 / r_i folded into its scale (one GEMM over all
-  of them would add a float32 (K, sum N_i) temporary and a pass over it).
+  normal range. dW_i = (x^T [g_1 r_1 | ...])[:, N_i] / r_i, from one wgrad
+  GEMM over the same codes (its float32 (K, sum N_i) result is weight-sized
+  and split in one pass; GEMMs on rows of g^T would copy those rows).
   """
   dtype = grads[0].dtype
   w_scale = functools.reduce(jnp.maximum, [wq.scale for wq in wqs])
@@ -124,15 +124,23 @@ def _fanout_bwd(x_t, x_scale, kernels, wqs, grads, implementation):
   w_values = jnp.concatenate([wq.values for wq in wqs], axis=1)
   dx = fp8_matmul(g_values, w_values, g_scale, w_scale, out_dtype=dtype,
                   implementation=implementation)
-  dkernels = []
+  dw = fp8_matmul(x_t, g_t, x_scale, g_scale, out_dtype=jnp.float32,
+                  implementation=implementation)
+  return dx, _split_columns(dw, kernels, ratios)
+
+
+def _split_columns(dw, kernels, ratios=None):
+  """The (K, N_i) blocks of a (K, sum N_i) wgrad in the kernels' dtypes,
+  each divided by its ratio r_i (if given)."""
+  out = []
   start = 0
-  for w, r in zip(kernels, ratios, strict=True):
-    stop = start + w.shape[1]
-    dkernels.append(fp8_matmul(
-        x_t, g_t[start:stop], x_scale, g_scale / r, out_dtype=w.dtype,
-        implementation=implementation))
-    start = stop
-  return dx, tuple(dkernels)
+  for i, w in enumerate(kernels):
+    part = dw[:, start:start + w.shape[1]]
+    if ratios is not None:
+      part = part / ratios[i]
+    out.append(part.astype(w.dtype))
+    start += w.shape[1]
+  return tuple(out)
 
 
 _fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
@@ -224,9 +232,9 @@ def _block_fanout_bwd(x_t, x_t_scales, kernels, grads, rows,
                       implementation, gather_axes):
   """Block-scaled fan-out backward, every N_i a multiple of 128: the tiles
   and blocks of [g_1 | g_2 | ...] are those of each g_i (none straddles
-  two), so one quantization of the concatenated gradients, one dgrad GEMM
-  over the concatenated N (no float32 (M, K) parts, no sum) and a wgrad
-  GEMM per kernel on its rows of g^T give the per-kernel codes and scales.
+  two), so one quantization of the concatenated gradients gives the
+  per-kernel codes and scales; one dgrad GEMM over the concatenated N (no
+  float32 (M, K) parts, no sum) and one wgrad GEMM, split by columns.
   """
   tile = block_quant.TILE
   g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
@@ -236,16 +244,9 @@ def _block_fanout_bwd(x_t, x_t_scales, kernels, grads, rows,
       g_values, jnp.concatenate([v for v, _ in blocks], axis=1), g_scales,
       jnp.concatenate([s for _, s in blocks], axis=1),
       out_dtype=grads[0].dtype, implementation=implementation)
-  dkernels = []
-  start = 0
-  for w in kernels:
-    stop = start + w.shape[1]
-    dkernels.append(fp8_matmul(
-        x_t, g_t[start:stop], x_t_scales,
-        g_t_scales[start // tile:stop // tile], out_dtype=w.dtype,
-        implementation=implementation))
-    start = stop
-  return dx[:rows], tuple(dkernels)
+  dw = fp8_matmul(x_t, g_t, x_t_scales, g_t_scales, out_dtype=jnp.float32,
+                  implementation=implementation)
+  return dx[:rows], _split_columns(dw, kernels)
 
 
 _fp8_dense_block_2d.defvjp(_fp8_dense_block_fwd, _fp8_dense_block_bwd)
