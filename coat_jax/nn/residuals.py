@@ -27,10 +27,10 @@ def after_grads(residuals: Any, grads: Any) -> tuple[Any, Any]:
   XLA fuses the forward's quantization into the backward's dequantization
   (the codes never reach memory: the bfloat16 input stays alive across the
   layers instead) and schedules float32 dequantized copies early, in the
-  forward pass, where they live across every later layer (unrolled layers:
-  ~3x the bytes of the FP8 residuals). XLA:GPU keeps barriers through
-  fusion and scheduling; XLA:CPU drops them before fusion (what
-  `tests/models/fp8_memory_test.py` works around to measure it).
+  forward pass, where they live across every later layer (unrolled layers,
+  no remat: 2.4-2.9x the bytes of the residuals per layer, 1.14x with the
+  barrier). XLA:GPU keeps barriers through fusion and scheduling; XLA:CPU
+  drops them before fusion (`tests/models/fp8_memory_test.py` keeps them).
   """
   return jax.lax.optimization_barrier((residuals, grads))
 
