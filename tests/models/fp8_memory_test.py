@@ -60,8 +60,9 @@ def test_unrolled_coat_step_keeps_its_residuals_per_layer():
   # Measured on this CPU (unrolled layers, remat 'none'): what 2 more layers
   # add, per layer, against one layer's residuals (10.09 MiB): 24.11 MiB
   # without the barriers (2.39x: bf16 gate, up and norm inputs, float32
-  # dequantized copies), 11.51 MiB with them (1.14x). Larger widths (512,
-  # batch 16): 42.1 -> 17.0 U per layer against 14.6 U of residuals.
+  # dequantized copies), 11.51 MiB with them (1.14x), 10.97 MiB (1.09x)
+  # with the one-GEMM fan-out backward. Larger widths (512, batch 16):
+  # 42.1 -> 15.8 U per layer against 14.6 U of residuals.
   # Scanned layers stack the residuals as while-loop outputs, where XLA
   # cannot fuse through them (and XLA:CPU converts stacked FP8 to f16).
   cfg = lambda n: cm.LlamaConfig.preset(
