@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from coat_jax.nn import linear
 from coat_jax.nn import precision as precision_lib
+from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.quant import QuantizedArray
 from pallas_kernels.swiglu_fp8 import api as swiglu_fp8_api
@@ -44,7 +45,7 @@ def _fp8_swiglu_fwd(gate, up):
 
 
 def _fp8_swiglu_bwd(residuals, dh):
-  gate_q, up_q = residuals
+  (gate_q, up_q), dh = after_grads(residuals, dh)
   dgate, dup, _, _ = swiglu_fp8_api.swiglu_fp8_bwd(
       (gate_q.values, gate_q.scale), (up_q.values, up_q.scale), dh,
       group_size=gate_q.group_size)

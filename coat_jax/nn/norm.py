@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
+from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.quant import QuantizedArray
 from pallas_kernels.rms_norm_fp8 import api as rms_norm_fp8_api
@@ -62,6 +63,7 @@ def _fp8_rms_norm_fwd(x, scale, eps):
 def _fp8_rms_norm_bwd(eps, residuals, g):
   del eps
   xq, rstd, scale = residuals
+  (xq, rstd), g = after_grads((xq, rstd), g)
   dx, dscale = rms_norm_fp8_api.rms_norm_fp8_bwd(
       xq.values, xq.scale, rstd, scale, g, group_size=xq.group_size)
   return dx, dscale.astype(scale.dtype)
