@@ -10,9 +10,7 @@ their FP8 transposes, in one pass (`pallas_kernels.quantize_per_tensor`),
 and the input is saved transposed.
 
 Several kernels may share one input (Q/K/V, gate/up): the input is then
-quantized and saved once, and their backward quantizes the concatenated
-output gradients once and runs one dgrad GEMM over them (`_fanout_bwd`;
-with block scaling when every N_i is a multiple of 128).
+quantized and saved once.
 
 `scaling='block'` (DeepSeek-V3 granularity, DESIGN section 1) replaces the
 per-tensor scales: the input and the output gradients in 1x128 tiles along
@@ -88,59 +86,19 @@ def _fp8_dense_bwd(implementation, gather_axes, residuals, grads):
   x_t, x_scale, kernels = residuals
   (x_t, x_scale), grads = after_grads((x_t, x_scale), grads)
   dtype = grads[0].dtype
-  wqs = [_quantize_weight(w, gather_axes, i) for i, w in enumerate(kernels)]
-  if len(kernels) == 1:
-    g_values, g_scale, g_t = _quantize_with_transpose(grads[0], 'e5m2')
-    dx = fp8_matmul(g_values, wqs[0].values, g_scale, wqs[0].scale,
-                    out_dtype=dtype, implementation=implementation)
-    return dx, (fp8_matmul(x_t, g_t, x_scale, g_scale,
-                           out_dtype=kernels[0].dtype,
-                           implementation=implementation),)
-  return _fanout_bwd(x_t, x_scale, kernels, wqs, grads, implementation)
-
-
-def _fanout_bwd(x_t, x_scale, kernels, wqs, grads, implementation):
-  """dx and the dW_i of several kernels with one dgrad and one wgrad GEMM.
-
-  dx = sum_i g_i W_i^T is one GEMM over the concatenated N: its operands
-  are [g_1 r_1 | g_2 r_2 | ...] (M, sum N_i), quantized once to E5M2, and
-  the forward's E4M3 codes [W_1 | W_2 | ...] (K, sum N_i) with the scale
-  s = max_i s_i, where s_i is W_i's scale and r_i = s_i / s <= 1 folds it
-  into the gradient. No float32 (M, K) partial products, no sum, one
-  quantization pass. The rescaled gradient is rounded to its dtype once
-  (bfloat16: 2^-9 relative, 64x below E5M2's 2^-3 half-step); one per-tensor
-  scale for all g_i changes only values 2^-16 of the largest one, E5M2's
-  normal range. dW_i = (x^T [g_1 r_1 | ...])[:, N_i] / r_i, from one wgrad
-  GEMM over the same codes (its float32 (K, sum N_i) result is weight-sized
-  and split in one pass; GEMMs on rows of g^T would copy those rows).
-  """
-  dtype = grads[0].dtype
-  w_scale = functools.reduce(jnp.maximum, [wq.scale for wq in wqs])
-  ratios = [wq.scale / w_scale for wq in wqs]
-  g = jnp.concatenate(
-      [(g.astype(jnp.float32) * r).astype(dtype)
-       for g, r in zip(grads, ratios, strict=True)], axis=1)
-  g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
-  w_values = jnp.concatenate([wq.values for wq in wqs], axis=1)
-  dx = fp8_matmul(g_values, w_values, g_scale, w_scale, out_dtype=dtype,
-                  implementation=implementation)
-  dw = fp8_matmul(x_t, g_t, x_scale, g_scale, out_dtype=jnp.float32,
-                  implementation=implementation)
-  return dx, _split_columns(dw, kernels, ratios)
-
-
-def _split_columns(dw, kernels, ratios=None):
-  """The (K, N_i) blocks of a (K, sum N_i) wgrad in the kernels' dtypes,
-  each divided by its ratio r_i (if given)."""
-  out = []
-  start = 0
-  for i, w in enumerate(kernels):
-    part = dw[:, start:start + w.shape[1]]
-    if ratios is not None:
-      part = part / ratios[i]
-    out.append(part.astype(w.dtype))
-    start += w.shape[1]
-  return tuple(out)
+  dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
+  dx = None
+  dkernels = []
+  for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
+    g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
+    wq = _quantize_weight(w, gather_axes, i)
+    part = fp8_matmul(g_values, wq.values, g_scale, wq.scale,
+                      out_dtype=dgrad_dtype, implementation=implementation)
+    dx = part if dx is None else dx + part
+    dkernels.append(fp8_matmul(
+        x_t, g_t, x_scale, g_scale, out_dtype=w.dtype,
+        implementation=implementation))
+  return dx.astype(dtype), tuple(dkernels)
 
 
 _fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
@@ -201,15 +159,11 @@ def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes):
 def _fp8_dense_block_bwd(implementation, gather_axes, residuals, grads):
   x_t, x_t_scales, kernels = residuals
   (x_t, x_t_scales), grads = after_grads((x_t, x_t_scales), grads)
-  rows = grads[0].shape[0]
-  if len(kernels) > 1 and all(
-      w.shape[1] % block_quant.TILE == 0 for w in kernels):
-    return _block_fanout_bwd(x_t, x_t_scales, kernels, grads, rows,
-                             implementation, gather_axes)
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
   dkernels = []
+  rows = grads[0].shape[0]
   for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
     # g^T, wgrad's B operand, in 128x128 blocks: the block-scaled GEMM runs
     # per-row B scales at 0.6x the speed of per-block ones (NOTES.md).
@@ -226,27 +180,6 @@ def _fp8_dense_block_bwd(implementation, gather_axes, residuals, grads):
         x_t, g_t, x_t_scales, g_t_scales, out_dtype=w.dtype,
         implementation=implementation))
   return dx[:rows].astype(dtype), tuple(dkernels)
-
-
-def _block_fanout_bwd(x_t, x_t_scales, kernels, grads, rows,
-                      implementation, gather_axes):
-  """Block-scaled fan-out backward, every N_i a multiple of 128: the tiles
-  and blocks of [g_1 | g_2 | ...] are those of each g_i (none straddles
-  two), so one quantization of the concatenated gradients gives the
-  per-kernel codes and scales; one dgrad GEMM over the concatenated N (no
-  float32 (M, K) parts, no sum) and one wgrad GEMM, split by columns.
-  """
-  tile = block_quant.TILE
-  g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
-      _pad_tokens(jnp.concatenate(grads, axis=1)), 'e5m2', (tile, tile))
-  blocks = [_weight_blocks(w, gather_axes, i) for i, w in enumerate(kernels)]
-  dx = fp8_matmul(
-      g_values, jnp.concatenate([v for v, _ in blocks], axis=1), g_scales,
-      jnp.concatenate([s for _, s in blocks], axis=1),
-      out_dtype=grads[0].dtype, implementation=implementation)
-  dw = fp8_matmul(x_t, g_t, x_t_scales, g_t_scales, out_dtype=jnp.float32,
-                  implementation=implementation)
-  return dx[:rows], _split_columns(dw, kernels)
 
 
 _fp8_dense_block_2d.defvjp(_fp8_dense_block_fwd, _fp8_dense_block_bwd)

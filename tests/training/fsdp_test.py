@@ -4,7 +4,6 @@ on 4 devices trains on with the same losses on 2 and 1."""
 
 import collections
 import json
-import math
 import os
 
 import jax
@@ -75,8 +74,7 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
   """The SPMD-partitioned step (before XLA:CPU's backend passes):
 
   - each layer's 7 weights are all-gathered once in the forward loop body
-    and once in the backward one (where a fan-out's, Q/K/V or gate/up, may
-    travel concatenated), float32 shards, or FP8 codes (as uint8)
+    and once in the backward one, float32 shards, or FP8 codes (as uint8)
     with model.fp8_weight_gather; nothing else is all-gathered but the LM head
     (BF16, in the loss' chunk loop, and float32 with the embedding outside
     the loops) and the token ids of the embedding's gradient;
@@ -116,11 +114,7 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
     else:
       assert dtype == weight_dtype, c
       gathered[shape] += 1
-  # Each layer weight twice (forward, backward): the backward may gather a
-  # fan-out's weights (Q/K/V, gate/up: one dgrad GEMM over them) as one
-  # concatenated array, so the elements are counted.
-  assert sum(math.prod(s) * n for s, n in gathered.items()) == 2 * sum(
-      math.prod(s) for s in layers), gathered
+  assert gathered == collections.Counter(layers * 2)
   # XLA:CPU's later passes keep the dtype of the gathered weights.
   assert {c['dtype'] for c in final if c['kind'] == 'all-gather'
           and not c['entry'] and tuple(sorted(c['arrays'][0][1])) in layers
@@ -129,9 +123,8 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
   reduced = collections.Counter(
       tuple(sorted(s)) for c in colls if c['kind'] == 'all-reduce'
       and not c['entry'] for d, s in c['arrays'] if len(s) == 2)
-  # A fan-out's weight gradients (one wgrad GEMM) may be summed as one.
-  assert sum(math.prod(s) * n for s, n in reduced.items()) >= sum(
-      math.prod(s) for s in layers), reduced
+  for shape, count in collections.Counter(layers).items():
+    assert reduced[shape] >= count, (shape, reduced)
 
   for c in colls:
     for dtype, shape in c['arrays']:
