@@ -61,8 +61,10 @@ def test_unrolled_coat_step_keeps_its_residuals_per_layer():
   # add, per layer, against one layer's residuals (10.09 MiB): 24.11 MiB
   # without the barriers (2.39x: bf16 gate, up and norm inputs, float32
   # dequantized copies), 11.51 MiB with them (1.14x), 10.97 MiB (1.09x)
-  # with the one-GEMM fan-out backward. Larger widths (512, batch 16):
-  # 42.1 -> 15.8 U per layer against 14.6 U of residuals.
+  # with a one-GEMM fan-out backward (not kept). Larger widths (512, batch 16):
+  # 42.1 -> 15.8 U per layer against 14.6 U of residuals. On an H200 (its
+  # own fusion and cuDNN attention): 7.07 MiB per layer against 5.07 MiB of
+  # residuals (1.39x); the 1b step's peak went from 26.2 to 21.1 GiB.
   # Scanned layers stack the residuals as while-loop outputs, where XLA
   # cannot fuse through them (and XLA:CPU converts stacked FP8 to f16).
   cfg = lambda n: cm.LlamaConfig.preset(
@@ -71,4 +73,5 @@ def test_unrolled_coat_step_keeps_its_residuals_per_layer():
   residuals = _layer_residual_bytes(cfg(1), 'coat', 'none')
   print(f'coat: {per_layer / 2**20:.2f} MiB per layer, residuals'
         f' {residuals / 2**20:.2f} MiB')
-  assert 0 < per_layer <= 1.3 * residuals
+  bound = 1.3 if jax.default_backend() == 'cpu' else 1.5
+  assert 0 < per_layer <= bound * residuals
