@@ -20,10 +20,9 @@ import os
 import re
 import tempfile
 
-from flax import nnx
 import jax
-import jax.numpy as jnp
 
+from benchmarks import step_memory
 from coat_jax import models
 
 _VALUE = re.compile(
@@ -141,15 +140,10 @@ def peak_buffers(dump_dir):
 
 
 def compile_step(cfg, precision, batch, seq, dump_dir):
-  model = nnx.eval_shape(
-      lambda: models.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)))
-  graph, state = nnx.split(model)
-  step = jax.jit(jax.value_and_grad(
-      lambda s, t, y: models.lm_loss(nnx.merge(graph, s), t, y)))
-  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  compiled = step.lower(state, tokens, tokens).compile({
-      'xla_dump_to': dump_dir, 'xla_dump_hlo_as_text': True})
-  return compiled.memory_analysis()
+  return step_memory.compile_loss_step(
+      cfg, precision, batch, seq,
+      {'xla_dump_to': dump_dir, 'xla_dump_hlo_as_text': True}
+  ).memory_analysis()
 
 
 def _value(text):

@@ -19,15 +19,21 @@ from coat_jax import models
 MODES = ('bf16', 'fp8_linear', 'coat')
 
 
-def temp_bytes(cfg, precision, batch, seq):
+def compile_loss_step(cfg, precision, batch, seq, compiler_options=None):
+  """value_and_grad of lm_loss for a Llama of `cfg` on (batch, seq) tokens,
+  compiled ahead of time from shapes only (nothing is allocated)."""
   model = nnx.eval_shape(
       lambda: models.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)))
   graph, state = nnx.split(model)
   step = jax.jit(jax.value_and_grad(
       lambda s, t, y: models.lm_loss(nnx.merge(graph, s), t, y)))
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  return step.lower(state, tokens, tokens).compile().memory_analysis(
-  ).temp_size_in_bytes
+  return step.lower(state, tokens, tokens).compile(compiler_options)
+
+
+def temp_bytes(cfg, precision, batch, seq, compiler_options=None):
+  return compile_loss_step(cfg, precision, batch, seq, compiler_options
+                           ).memory_analysis().temp_size_in_bytes
 
 
 def main():

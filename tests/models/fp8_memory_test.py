@@ -13,6 +13,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from benchmarks import step_memory
 import coat_jax.models as cm
 from coat_jax.models import remat
 from coat_jax.models.llama import DecoderLayer
@@ -32,14 +33,7 @@ def _options():
 
 
 def _step_temp(cfg, precision):
-  model = nnx.eval_shape(
-      lambda: cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)))
-  graph, state = nnx.split(model)
-  step = jax.jit(jax.value_and_grad(
-      lambda s, t, y: cm.lm_loss(nnx.merge(graph, s), t, y)))
-  tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-  compiled = step.lower(state, tokens, tokens).compile(_options())
-  return compiled.memory_analysis().temp_size_in_bytes
+  return step_memory.temp_bytes(cfg, precision, BATCH, SEQ, _options())
 
 
 def _layer_residual_bytes(cfg, precision, policy):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import step_memory
 import coat_jax.models as cm
 from coat_jax.models import remat
 from coat_jax.models.llama import DecoderLayer
@@ -103,17 +104,6 @@ def test_policies_give_the_same_gradients(precision):
                                rtol=1e-2)
 
 
-def _step_temp_bytes(cfg, precision, batch, seq):
-  model = nnx.eval_shape(
-      lambda: cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)))
-  graph, state = nnx.split(model)
-  grad = jax.jit(jax.grad(
-      lambda s, t: cm.lm_loss(nnx.merge(graph, s), t, t)))
-  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  return grad.lower(state, tokens).compile().memory_analysis(
-  ).temp_size_in_bytes
-
-
 @pytest.mark.parametrize('precision', MODES)
 def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
   # Measured on this CPU (MiB, temp of the gradient, 4 layers, width 128,
@@ -128,7 +118,7 @@ def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
   # test passes on CPU only because the CPU inflates the unrolled step.
   assert cm.LlamaConfig().remat == remat.DEFAULT == 'minimal'
   dims = dict(num_layers=4, hidden_size=128, intermediate_size=352)
-  temp = {scan: _step_temp_bytes(
+  temp = {scan: step_memory.temp_bytes(
       cm.LlamaConfig.preset('tiny', scan_layers=scan, **dims), precision,
       8, 256) for scan in (True, False)}
   print(f'{precision}: scanned {temp[True] / 2**20:.1f} MiB, unrolled'
