@@ -1,9 +1,11 @@
 """Llama-2-7B dimensions in coat mode; shard with --set mesh.fsdp=N.
 
-Unrolled layers, remat 'minimal', batch 8 x 2048: the fastest setting that
-fits one H200 of those measured (18.7K tokens/s, 108.5 GiB, compile ~47 s;
-scanned 17.4K; remat 'full' at batch 32 16.1K, 91.5 GiB; benchmarks/
-RESULTS.md "e2e-7b"). Longer sequences (4 x 16384) need remat 'full'.
+Unrolled layers without remat, batch 8 x 2048: 19.1K tokens/s, 90.6 GiB on
+one H200 (compile ~55 s), within 3% of the fastest measured (batch 12:
+19.7K, 113.6 GiB; a batch that 8 devices do not divide); remat 'minimal'
+at batch 8 18.7K; scanned 17.4K; remat 'full' at batch 32 16.1K, 91.5 GiB
+(benchmarks/RESULTS.md "e2e-7b"). Longer sequences (4 x 16384) need remat
+'full'.
 """
 
 from coat_jax.training import Config
@@ -16,7 +18,7 @@ from coat_jax.training import TrainConfig
 def get_config() -> Config:
   return Config(
       model=ModelConfig(preset='llama2_7b', precision='coat',
-                        scan_layers=False, remat='minimal'),
+                        scan_layers=False, remat='none'),
       optim=OptimConfig(learning_rate=3e-4, warmup_steps=200),
       data=DataConfig(seq_len=2048),
       train=TrainConfig(steps=1000, batch_size=8, eval_every=200,
