@@ -35,7 +35,8 @@ def _fp8_swiglu(gate, up):
 
 
 def _fp8_swiglu_fwd(gate, up):
-  # One pass (Pallas on one Hopper GPU); its amax |h| (out[3]) is unused.
+  # XLA by default (faster in the step than the one-pass Pallas kernel,
+  # RESULTS.md "kernels-fused"); its amax |h| (out[3]) is unused.
   h, gate_q, up_q, _ = swiglu_fp8_api.swiglu_fp8_fwd(
       gate, up, group_size=precision_lib.GROUP_SIZE,
       scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)

@@ -52,7 +52,8 @@ def _fp8_rms_norm(x, scale, eps):
 
 
 def _fp8_rms_norm_fwd(x, scale, eps):
-  # One pass (Pallas on one Hopper GPU); its amax |y| (out[4]) is unused.
+  # XLA by default (faster in the step than the one-pass Pallas kernel,
+  # RESULTS.md "kernels-fused"); its amax |y| (out[4]) is unused.
   y, codes, scales, rstd, _ = rms_norm_fp8_api.rms_norm_fp8_fwd(
       x, scale, eps, group_size=precision_lib.GROUP_SIZE,
       scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)

@@ -14,8 +14,8 @@ import numpy as np
 from pallas_kernels import _common
 from pallas_kernels.rms_norm_fp8 import reference
 
-# One pass each instead of XLA's several fusions; the lead confirms with
-# benchmarks/kernels.py --only fused on the GPU.
+# False: one pass alone is 1.25-1.96x faster than XLA's reference, yet the
+# 1b train step was slower with it (H200, RESULTS.md "kernels-fused").
 PALLAS_IS_DEFAULT = False
 # A whole row is one block: rows wider than this are left to XLA.
 MAX_PALLAS_COLS = 16384
