@@ -22,11 +22,7 @@ def _check(group_size: Any, scale_dtype: Any) -> tuple[int, np.dtype]:
     raise ValueError(
         f'group_size={group_size!r} must be a positive integer, e.g. 128 for'
         ' optimizer states or 16 for activations.')
-  sd = np.dtype(scale_dtype)
-  if sd not in reference.SCALE_DTYPES:
-    raise ValueError(
-        f'scale_dtype={scale_dtype!r} is not supported: use jnp.float32 or'
-        ' jnp.bfloat16.')
+  sd = reference.check_scale_dtype(scale_dtype)
   return int(group_size), sd
 
 

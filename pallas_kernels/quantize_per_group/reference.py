@@ -45,6 +45,16 @@ LN_2 = np.float32(np.log(2.0))
 SCALE_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 
 
+def check_scale_dtype(scale_dtype: Any) -> np.dtype:
+  """`scale_dtype` as a numpy dtype; ValueError unless float32 or bfloat16."""
+  sd = np.dtype(scale_dtype)
+  if sd not in SCALE_DTYPES:
+    raise ValueError(
+        f'scale_dtype={scale_dtype!r} is not supported: use jnp.float32 or'
+        ' jnp.bfloat16.')
+  return sd
+
+
 def expansion_range(dtype: Any) -> float:
   """U = fp8_max^2 / 2 (100352 for E4M3, the official COAT constant)."""
   return _common.fp8_max(dtype) ** 2 / 2

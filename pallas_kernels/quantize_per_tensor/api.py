@@ -4,7 +4,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import _common
 from pallas_kernels.quantize_per_group import reference as group_reference
@@ -39,11 +38,7 @@ def quantize_per_tensor(
     None).
   """
   dt = _common.fp8_dtype(dtype)
-  sd = np.dtype(scale_dtype)
-  if sd not in group_reference.SCALE_DTYPES:
-    raise ValueError(
-        f'scale_dtype={scale_dtype!r} is not supported: use jnp.float32 or'
-        ' jnp.bfloat16.')
+  sd = group_reference.check_scale_dtype(scale_dtype)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f'x has dtype {x.dtype}; quantization needs a floating'

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _common
+from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.rms_norm_fp8 import reference
 
 # False: one pass alone is 1.25-1.96x faster than XLA's reference, yet the
@@ -67,10 +68,7 @@ def rms_norm_fp8_fwd(
     float32).
   """
   _check(x, scale, group_size, 'x')
-  sd = np.dtype(scale_dtype)
-  if sd not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-    raise ValueError(f'scale_dtype={scale_dtype!r} is not supported: use'
-                     ' jnp.float32 or jnp.bfloat16.')
+  sd = group_reference.check_scale_dtype(scale_dtype)
   use, interpret = _use_pallas(implementation, group_size, x.shape)
   if use:
     from pallas_kernels.rms_norm_fp8 import pallas_triton
