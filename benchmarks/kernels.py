@@ -256,9 +256,10 @@ def bench_blockwise(results, quick):
   """
   configs = [blockwise_pallas.BlockSizes()]
   if not quick:
-    configs += [blockwise_pallas.BlockSizes(num_warps=4),
-                blockwise_pallas.BlockSizes(256, 128, 8),
-                blockwise_pallas.BlockSizes(128, 256, 8)]
+    configs += [blockwise_pallas.BlockSizes(128, 128, 8),
+                blockwise_pallas.BlockSizes(128, 256, 16),
+                blockwise_pallas.BlockSizes(256, 256, 16),
+                blockwise_pallas.BlockSizes(128, 512, 16)]
   timing = dict(warm_s=2.0, iters=50, repeats=9)
   for shape in BLOCKWISE_SHAPES:
     x = (jax.random.normal(jax.random.key(5), shape, jnp.float32)
@@ -268,20 +269,29 @@ def bench_blockwise(results, quick):
     results.append(dict(
         name=copy_name, impl='xla', bytes=4 * n, copy=copy_name,
         s=time_call(jax.jit(lambda x: x * 2), (x,), **timing)))
-    for transpose, pow2 in ((True, False), (True, True), (False, False)):
-      label = (f'tiles{"+T" if transpose else ""}{" pow2" if pow2 else ""}'
-               f' bf16->e4m3 {shape}')
+    # (transpose, pow2, transpose_block): the last is the layers' g^T in
+    # 128x128 blocks (wgrad's B operand), one program per block.
+    for transpose, pow2, tb in ((True, False, (1, 128)),
+                                (True, True, (1, 128)),
+                                (True, False, (128, 128)),
+                                (False, False, (1, 128))):
+      label = (f'tiles{"+T" if transpose else ""}'
+               f'{" blocks" if tb == (128, 128) else ""}'
+               f'{" pow2" if pow2 else ""} bf16->e4m3 {shape}')
       nbytes = n * (2 + (2 if transpose else 1) * (1 + 4 / 128))
-      ref = jax.jit(lambda x, tr=transpose, p2=pow2:
+      ref = jax.jit(lambda x, tr=transpose, p2=pow2, tb=tb:
                     blockwise_reference.quantize_blockwise(
-                        x, (1, 128), 'e4m3', transpose=tr, pow2=p2))
+                        x, (1, 128), 'e4m3', transpose=tr, pow2=p2,
+                        transpose_block=tb))
       results.append(dict(name=label, impl='xla', bytes=nbytes,
                           copy=copy_name, s=time_call(ref, (x,), **timing)))
-      for bs in configs if transpose and not pow2 else configs[:1]:
-        f = jax.jit(lambda x, tr=transpose, p2=pow2, bs=bs:
+      sweep = transpose and not pow2
+      for bs in configs if sweep else configs[:1]:
+        f = jax.jit(lambda x, tr=transpose, p2=pow2, bs=bs, tb=tb:
                     blockwise_pallas.quantize_blockwise(
                         x, (1, 128), 'e4m3', transpose=tr, pow2=p2,
-                        block_sizes=bs, interpret=_INTERPRET))
+                        transpose_block=tb, block_sizes=bs,
+                        interpret=_INTERPRET))
         results.append(dict(name=label, impl='pallas', config=str(bs),
                             bytes=nbytes, copy=copy_name,
                             s=time_call(f, (x,), **timing)))

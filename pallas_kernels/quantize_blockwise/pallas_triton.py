@@ -36,7 +36,7 @@ class BlockSizes:
   """
 
   block_rows: int = 128
-  block_cols: int = 128
+  block_cols: int = 256  # the fastest of benchmarks/kernels.py --blockwise
   num_warps: int = 8
 
   def __post_init__(self):
@@ -61,6 +61,36 @@ def _quantize_tile(x, dtype, pow2, ops):
   return values.reshape(r, c), scales
 
 
+def _quantize_cols(x, dtype, pow2, ops):
+  """float32 (r, c) in 128x1 tiles down the rows: (values (r, c), scales
+  (r // 128, c)): the 1x128 tiles of x^T, computed without moving x.
+
+  The tiles of x.T are the columns of each 128-row band of x: the same
+  maxima and divisions as `_quantize_tile(x.T)` (so the same bits), while
+  only the 1-byte codes go through the transpose, not the float32 tile.
+  """
+  r, c = x.shape
+  bands = x.reshape(r // TILE, TILE, c)
+  amax = _common.abs_max(jnp.abs(bands), 1)  # (r // 128, c)
+  scales = reference.scale_from_amax(amax, dtype, pow2)
+  values = _common.saturate(ops.div(bands, scales[:, None, :]), dtype, ops)
+  return values.reshape(r, c), scales
+
+
+def _blocks_of_band(x, dtype, pow2, ops):
+  """float32 (128, c) -> its 128x128 blocks: (values (128, c), scales
+  (c // 128,)). A block of x^T is the transposed block of x with the same
+  scale, so only the codes go through the transpose."""
+  r, c = x.shape
+  col_max = _common.abs_max(jnp.abs(x), 0)  # (c,)
+  amax = _common.abs_max(col_max.reshape(c // TILE, TILE), 1)
+  scales = reference.scale_from_amax(amax, dtype, pow2)
+  values = _common.saturate(
+      ops.div(x.reshape(r, c // TILE, TILE), scales[None, :, None]),
+      dtype, ops)
+  return values.reshape(r, c), scales
+
+
 def _block_of(x, dtype, pow2, ops):
   """A float32 (128, 128) block -> (values FP8, scale (1,))."""
   amax = _common.abs_max(_common.abs_max(jnp.abs(x), 1)[None, :], 1)  # (1,)
@@ -81,16 +111,18 @@ def _tiles_kernel(x_ref, *out_refs, rows, cols, ncb, dtype, pow2, transpose,
       i, j, (br, bc // TILE), (rows, pl.cdiv(cols, TILE)))
   pltriton.store(out_refs[0], values, mask=mask)
   pltriton.store(out_refs[1], scales, mask=smask)
-  if transpose and t_blocks:  # the tile is one 128x128 block of x^T
-    values_t, scale_t = _block_of(x.T, dtype, pow2, ops)
-    pltriton.store(out_refs[2], values_t, mask=None if exact else mask.T)
-    out_refs[3][...] = jnp.broadcast_to(scale_t[:, None], out_refs[3].shape)
+  if transpose and t_blocks:  # a band of 128x128 blocks of x^T
+    values_t, scales_t = _blocks_of_band(x, dtype, pow2, ops)
+    bmask = None if exact else _common.tile_mask(
+        j, i, (bc // TILE, 1), (pl.cdiv(cols, TILE), pl.cdiv(rows, TILE)))
+    pltriton.store(out_refs[2], values_t.T, mask=None if exact else mask.T)
+    pltriton.store(out_refs[3], scales_t[:, None], mask=bmask)
   elif transpose:
-    values_t, scales_t = _quantize_tile(x.T, dtype, pow2, ops)
+    values_t, scales_t = _quantize_cols(x, dtype, pow2, ops)
     tmask = None if exact else _common.tile_mask(
         j, i, (bc, br // TILE), (cols, pl.cdiv(rows, TILE)))
-    pltriton.store(out_refs[2], values_t, mask=None if exact else mask.T)
-    pltriton.store(out_refs[3], scales_t, mask=tmask)
+    pltriton.store(out_refs[2], values_t.T, mask=None if exact else mask.T)
+    pltriton.store(out_refs[3], scales_t.T, mask=tmask)
 
 
 def _blocks_kernel(x_ref, v_ref, s_ref, *, rows, cols, ncb, dtype, pow2, ops):
@@ -116,8 +148,8 @@ def quantize_blockwise(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
   """Pallas version of `reference.quantize_blockwise` (same contract).
 
-  With `transpose_block=(128, 128)` each program's tile is one 128x128
-  block (block_sizes is then ignored)."""
+  With `transpose_block=(128, 128)` each program's tile is one band of
+  128 rows (block_sizes.block_rows is then ignored)."""
   dt = _common.fp8_dtype(dtype)
   shape = x.shape
   rows, cols = _common.as_2d(shape)
@@ -139,7 +171,8 @@ def quantize_blockwise(
     )(x2)
     return values.reshape(shape), scales, None, None
   t_blocks = transpose and tuple(transpose_block) == (TILE, TILE)
-  br, bc = ((TILE, TILE) if t_blocks
+  # 128x128 blocks of x^T: a tile is one band of 128 rows (tokens).
+  br, bc = ((TILE, block_sizes.block_cols) if t_blocks
             else (block_sizes.block_rows, block_sizes.block_cols))
   ncb = pl.cdiv(cols, bc)
   out_shape = [jax.ShapeDtypeStruct((rows, cols), dt),
@@ -148,7 +181,8 @@ def quantize_blockwise(
   if t_blocks:
     out_shape += [jax.ShapeDtypeStruct((cols, rows), dt),
                   jax.ShapeDtypeStruct((kb, mb), jnp.float32)]
-    out_specs += [_spec((bc, br), ncb, True), _spec((1, 1), ncb, True)]
+    out_specs += [_spec((bc, br), ncb, True),
+                  _spec((bc // TILE, 1), ncb, True)]
   elif transpose:
     out_shape += [jax.ShapeDtypeStruct((cols, rows), dt),
                   jax.ShapeDtypeStruct((cols, mb), jnp.float32)]

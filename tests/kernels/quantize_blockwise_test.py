@@ -213,6 +213,7 @@ KERNEL_CASES = [
     ((128, 128), pallas_triton.BlockSizes()),
     ((200, 300), pallas_triton.BlockSizes()),
     ((256, 512), pallas_triton.BlockSizes(256, 256)),
+    ((384, 640), pallas_triton.BlockSizes(128, 256)),
     ((3, 5, 40), pallas_triton.BlockSizes()),
     ((1, 1), pallas_triton.BlockSizes()),
 ]
@@ -236,9 +237,15 @@ def test_kernel_tiles_match_reference(shape, sizes, fmt, pow2):
   assert_same(got, want)
 
 
-@pytest.mark.parametrize('shape', [(256, 384), (200, 300), (1, 16)])
+@pytest.mark.parametrize('shape,sizes', [
+    ((256, 384), pallas_triton.BlockSizes()),
+    ((200, 300), pallas_triton.BlockSizes()),
+    ((1, 16), pallas_triton.BlockSizes()),
+    ((256, 640), pallas_triton.BlockSizes(128, 256)),  # a partial band
+    ((200, 300), pallas_triton.BlockSizes(128, 512)),
+])
 @pytest.mark.parametrize('fmt,pow2', [('e5m2', False), ('e4m3', True)])
-def test_kernel_transposed_blocks_match_reference(shape, fmt, pow2):
+def test_kernel_transposed_blocks_match_reference(shape, sizes, fmt, pow2):
   x = np.array(normal(10, shape, 2.0))
   if x.size > 1000:
     x[150, 7] = np.nan  # confined to block (0, 1) of x^T
@@ -246,7 +253,7 @@ def test_kernel_transposed_blocks_match_reference(shape, fmt, pow2):
   x = jnp.asarray(x, jnp.bfloat16)
   kw = dict(transpose=True, pow2=pow2, transpose_block=(128, 128))
   got = pallas_triton.quantize_blockwise(x, (1, 128), fmt, interpret=True,
-                                         **kw)
+                                         block_sizes=sizes, **kw)
   want = reference.quantize_blockwise(x, (1, 128), fmt, **kw)
   assert_same(got, want)
 
