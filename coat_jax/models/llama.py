@@ -82,7 +82,7 @@ class LlamaConfig:
     rms_norm_eps: RMSNorm epsilon.
     tie_embeddings: use the embedding table as the LM head.
     init_std: std of the normal initializer of all matrices.
-    scan_layers: run the stacked decoder layers under `nnx.scan` (compile
+    scan_layers: run the stacked decoder layers under `jax.lax.scan` (compile
       time independent of depth) rather than unrolled (XLA may fuse and
       schedule across layers).
     remat: the layer stack's remat policy, one of `remat.POLICIES`
@@ -310,7 +310,7 @@ class Llama(nnx.Module):
         param_dtype, ('vocab', 'embed'))
 
     # The decoder layers are one module with stacked params (a leading
-    # num_layers axis), applied with nnx.scan: the compiled step (and the
+    # num_layers axis), applied with jax.lax.scan: the compiled step (and the
     # optimizer's per-leaf work) does not grow with depth.
     @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0,
@@ -368,27 +368,63 @@ class Llama(nnx.Module):
     cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta,
                            self.config.rope_scaling)
 
-    scan = self.config.scan_layers
-    apply_layer = remat_lib.apply(
-        lambda layer, x: layer(x, cos, sin), self.config.remat, in_scan=scan)
-    if scan:
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      def run_layers(x, layer):
-        return fsdp.shard_batch(apply_layer(layer, x))
-
-      return self.norm(run_layers(x, self.layers))
     graphdef, stacked = nnx.split(self.layers)
+    if self.config.scan_layers:
+      return self.norm(self._scan_layers(graphdef, stacked, x, cos, sin))
+    apply_layer = remat_lib.apply(
+        lambda layer, x: layer(x, cos, sin), self.config.remat, in_scan=False)
     for i in range(self.config.num_layers):
       layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked)
                         if layers is None else layers[i])
       x = fsdp.shard_batch(apply_layer(layer, x))
     return self.norm(x)
 
+  def _scan_layers(self, graphdef, stacked, x, cos, sin):
+    """The stacked layers applied to x under `jax.lax.scan`.
+
+    In 'bf16' mode each layer param is used only cast to bf16, so its
+    gradient is bf16-valued, yet scan's backward would stack it in float32:
+    L x params x 4 bytes, allocated whole while every residual is live (the
+    train step's peak; unrolled layers hold bf16 weights there). So each
+    param enters the scan twice: float32 without gradient (read and cast per
+    layer, as before) and as a bf16 copy that only carries the gradient
+    (`_cast_param` never reads its value; XLA drops it). Backward then
+    stacks bf16 gradients, cast to float32 after the loop: same bits, half
+    the stack.
+    """
+    if self.precision == 'bf16':
+      xs = (jax.lax.stop_gradient(stacked),
+            jax.tree.map(lambda a: a.astype(self.dtype), stacked))
+      params = lambda xs: jax.tree.map(_cast_param, *xs)
+    else:
+      xs, params = stacked, lambda xs: xs
+    apply_layer = remat_lib.apply(
+        lambda xs, x: nnx.merge(graphdef, params(xs))(x, cos, sin),
+        self.config.remat, in_scan=True)
+
+    def body(x, xs):
+      return fsdp.shard_batch(apply_layer(xs, x)), None
+
+    return jax.lax.scan(body, x, xs)[0]
+
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """int tokens (B, S) -> float32 logits (B, S, V)."""
     h = self.hidden_states(tokens)
     return jnp.dot(h, self.head_kernel().astype(self.dtype),
                    preferred_element_type=jnp.float32)
+
+
+@jax.custom_jvp
+def _cast_param(w: jax.Array, carrier: jax.Array) -> jax.Array:
+  """w cast to carrier's dtype; the tangent is carrier's (w's is dropped),
+  and carrier's value is never read."""
+  return w.astype(carrier.dtype)
+
+
+@_cast_param.defjvp
+def _cast_param_jvp(primals, tangents):
+  w, carrier = primals
+  return w.astype(carrier.dtype), tangents[1]
 
 
 def _check_tokens(tokens: Any, config: LlamaConfig) -> int:

@@ -5,7 +5,7 @@ is recomputed from the layer's input (always kept) during backward. Names
 follow MaxText's `remat_policy`:
 
 - 'none': no `jax.checkpoint`: whatever autodiff and the custom_vjps save.
-  Under `nnx.scan` this stacks every residual of the layer body, including
+  Under the layer scan this stacks every residual of the layer body, including
   elementwise ones that XLA would recompute for unrolled layers.
 - 'minimal': keeps the projections' outputs (q, k, v, the attention output
   projection, SwiGLU's gate and up), the attention output and the flash
