@@ -37,7 +37,7 @@ class BlockSizes:
 
   block_rows: int = 128
   block_cols: int = 256  # the fastest of benchmarks/kernels.py --blockwise
-  num_warps: int = 8
+  num_warps: int = 16
 
   def __post_init__(self):
     for name in ('block_rows', 'block_cols'):
