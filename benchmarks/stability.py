@@ -292,8 +292,10 @@ def plot(runs: list[dict], variants: list[str], lrs: list[float],
         lo, hi = values[0], values[int(0.95 * (len(values) - 1))]
         ax.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.1 * (hi - lo + 1e-3))
     axes[1][col].set_xlabel('step')
-  if axes[0][0].get_legend_handles_labels()[0]:
-    axes[0][0].legend(fontsize=7)
+  # The legend goes where the most runs are (not every lr runs every variant).
+  fullest = max(axes[0], key=lambda ax: len(ax.get_legend_handles_labels()[0]))
+  if fullest.get_legend_handles_labels()[0]:
+    fullest.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -23,6 +23,9 @@ from pallas_kernels._common import pltriton
 from pallas_kernels.quantize_blockwise import reference
 
 TILE = reference.TILE
+# Warps of the 128x128 weight-block kernel (one block per program; measured
+# in benchmarks/kernels.py --blockwise), which takes no BlockSizes.
+BLOCKS_NUM_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +152,8 @@ def quantize_blockwise(
   """Pallas version of `reference.quantize_blockwise` (same contract).
 
   With `transpose_block=(128, 128)` each program's tile is one band of
-  128 rows (block_sizes.block_rows is then ignored)."""
+  128 rows (block_sizes.block_rows is then ignored); block=(128, 128)
+  ignores block_sizes (one block per program)."""
   dt = _common.fp8_dtype(dtype)
   shape = x.shape
   rows, cols = _common.as_2d(shape)
@@ -166,7 +170,7 @@ def quantize_blockwise(
         out_shape=[jax.ShapeDtypeStruct((rows, cols), dt),
                    jax.ShapeDtypeStruct((mb, kb), jnp.float32)],
         interpret=interpret,
-        compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
+        compiler_params=_common.compiler_params(BLOCKS_NUM_WARPS, 1),
         name='quantize_blocks',
     )(x2)
     return values.reshape(shape), scales, None, None
