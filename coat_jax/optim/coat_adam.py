@@ -145,10 +145,11 @@ def scale_by_coat_adam(
     # Without the barrier XLA constant-folds the quantization of the zeros,
     # which took > 8 s per leaf of the 1b model to compile on a GPU.
     zeros = jax.lax.optimization_barrier(zeros)
+    # Params in nnx Variables: moments in the layout nnx.Optimizer keeps.
     return ScaleByCoatAdamState(
         count=jnp.zeros([], jnp.int32),
-        mu=jax.tree.map(quantize_mu, zeros),
-        nu=jax.tree.map(quantize_nu, zeros),
+        mu=moments.nnx_layout(jax.tree.map(quantize_mu, zeros)),
+        nu=moments.nnx_layout(jax.tree.map(quantize_nu, zeros)),
     )
 
   def update_fn(updates, state, params=None):

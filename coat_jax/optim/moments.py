@@ -10,8 +10,13 @@ state *up to the params' tree*, read each moment by its field names from
 whatever holds it, and return the new moment in that same container (optax's
 `MultiSteps`, `apply_if_finite` and `lax.cond` need the state's structure to
 stay the same from step to step).
+
+`nnx_layout` has init build a moment of a param held in an nnx Variable in
+that State mapping from the start, so that nnx.Optimizer's state keeps one
+structure and a jitted step compiles once.
 """
 
+import sys
 from typing import Any
 
 import jax
@@ -30,6 +35,31 @@ def _name(key: Any) -> str:
 
 def is_moment(x: Any) -> bool:
   return isinstance(x, quant.QuantizedArray)
+
+
+def nnx_layout(tree: Any) -> Any:
+  """`tree` (a new optimizer state) with each QuantizedArray held in an nnx
+  Variable replaced by its nnx State mapping, `nnx.state(q)`.
+
+  The Variables come from params given as nnx Variables (`nnx.Optimizer`
+  inits with `nnx.state(model, wrt)`). `nnx.Optimizer.update` stores every
+  new moment as `nnx.state(moment)` in its Variable: a QuantizedArray there
+  would become that mapping at the first update, changing the state's tree
+  structure, and a jitted step would compile twice. The mapping has the
+  moment's leaves under the same names, so checkpoints and partition specs
+  are those of the state after an update. Without nnx Variables (plain
+  optax) `tree` is returned unchanged, QuantizedArrays and all.
+  """
+  # The one flax-aware step. Only nnx makes Variables: if flax.nnx was never
+  # imported, there are none (and this module does not import flax).
+  nnx = sys.modules.get('flax.nnx')
+  if nnx is None:
+    return tree
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  to_state = lambda m: nnx.state(m) if is_moment(m) else m  # not float32 ones
+  in_variable = lambda v: jax.tree.map(to_state, v, is_leaf=is_moment)
+  return jax.tree.map(lambda x: in_variable(x) if is_variable(x) else x,
+                      tree, is_leaf=is_variable)
 
 
 def _is_array_leaf(x: Any) -> bool:

@@ -78,10 +78,11 @@ def fp8_states(
     state = inner.init(params)
     mirrors = _mirror_test(params)
     # As in coat_adamw: without the barrier XLA constant-folds the
-    # quantization of zero states (slow to compile for big leaves).
-    return jax.tree.map(
+    # quantization of zero states (slow to compile for big leaves). Params
+    # in nnx Variables: FP8 leaves in the layout nnx.Optimizer keeps.
+    return moments.nnx_layout(jax.tree.map(
         lambda x: jax.tree.map(quantize, jax.lax.optimization_barrier(x))
-        if mirrors(x) else x, state, is_leaf=mirrors)
+        if mirrors(x) else x, state, is_leaf=mirrors))
 
   def update_fn(updates, state, params=None, **extra_args):
     treedef = jax.tree.structure(updates)

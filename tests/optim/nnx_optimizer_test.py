@@ -1,12 +1,15 @@
 """coat_adamw in every optax / Flax NNX path, on stacked layers and dicts.
 
 nnx.Optimizer stores the state it gets back through `nnx.state`, which turns
-each QuantizedArray moment into an nnx State mapping: every path below runs
-at least two updates so the second sees that container. Each path is checked
+each QuantizedArray moment into an nnx State mapping (init builds the moments
+of Variable params as such mappings already, so the state's structure never
+changes): every path below runs at least two updates. Each path is checked
 against the same transformation run by plain optax on the same numbers.
 """
 
+import contextlib
 import functools
+import logging
 
 from flax import nnx
 import jax
@@ -227,8 +230,7 @@ def test_orbax_resume_of_nnx_optimizer_is_bit_exact(tmp_path):
   for i in range(2):
     step(model, opt, *_batch(i), False)
   checkpoint.save(tmp_path / 'ckpt', nnx.state((model, opt)))
-  # A fresh model and optimizer (QuantizedArray moments, not State) as the
-  # template: the leaves are named alike, so the checkpoint restores.
+  # A fresh model and optimizer as the template.
   model2 = Stacked(nnx.Rngs(1))
   opt2 = nnx.Optimizer(model2, make(), wrt=nnx.Param)
   restored = checkpoint.restore(tmp_path / 'ckpt', nnx.state((model2, opt2)))
@@ -239,6 +241,73 @@ def test_orbax_resume_of_nnx_optimizer_is_bit_exact(tmp_path):
   for a, b in zip(jax.tree.leaves(nnx.state((model, opt))),
                   jax.tree.leaves(nnx.state((model2, opt2)))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_checkpoint_of_the_earlier_init_layout_restores(tmp_path):
+  """Before moments.nnx_layout a new nnx.Optimizer held QuantizedArrays in
+  its Variables: a checkpoint saved then has the same leaf names."""
+  make = TXS['chain(clip)']
+  model = Stacked(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, make(), wrt=nnx.Param)
+  is_fields = lambda x: isinstance(x, nnx.State) and 'values' in x
+  earlier = jax.tree.map(
+      lambda s: coat_jax.optim.moments.as_quantized(s, 128),
+      nnx.state((model, opt)), is_leaf=is_fields)
+  assert any(isinstance(x, coat_jax.QuantizedArray) for x in jax.tree.leaves(
+      earlier, is_leaf=coat_jax.optim.moments.is_moment))
+  checkpoint.save(tmp_path / 'ckpt', earlier)
+  model2 = Stacked(nnx.Rngs(1))
+  opt2 = nnx.Optimizer(model2, make(), wrt=nnx.Param)
+  nnx.update((model2, opt2), checkpoint.restore(
+      tmp_path / 'ckpt', nnx.state((model2, opt2))))
+  step = nnx.jit(_grad_step, static_argnums=4)
+  for i in range(2):
+    step(model, opt, *_batch(i), False)
+    step(model2, opt2, *_batch(i), False)
+  for a, b in zip(jax.tree.leaves(nnx.state((model, opt))),
+                  jax.tree.leaves(nnx.state((model2, opt2)))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@contextlib.contextmanager
+def _compiles(name):
+  """Yields a list that collects jax's 'Compiling jit(name)' log records."""
+  seen = []
+  handler = logging.Handler()
+  handler.emit = lambda record: seen.append(record.getMessage())
+  logger = logging.getLogger('jax')
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      yield lambda: sum(f'Compiling jit({name})' in m for m in seen)
+  finally:
+    logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize('graph', [True, False])
+@pytest.mark.parametrize(
+    'name', ['coat_adamw', 'MultiSteps', 'fp8_states', 'float32 nu'])
+def test_nnx_jit_step_compiles_once(name, graph):
+  """The state nnx.Optimizer builds has the structure it keeps after an
+  update: the step compiles once, not again at the second update."""
+  make = dict(TXS, fp8_states=lambda: coat_jax.fp8_states(optax.adam(3e-3)))
+  make['float32 nu'] = lambda: coat_jax.coat_adamw(
+      3e-3, moment_dtypes=('e4m3', 'float32'))
+  model = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, make[name](), wrt=nnx.Param, graph=graph)
+  before = jax.tree.structure(nnx.state(opt))
+
+  @nnx.jit
+  def step(model, opt, x):
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+
+  with _compiles('step') as count:
+    for i in range(3):
+      step(model, opt, _batch(i)[0])
+  assert count() == 1
+  assert jax.tree.structure(nnx.state(opt)) == before
+  assert int(opt.step[...]) == 3
 
 
 def test_plain_dict_state_in_state_mappings_still_checks_the_tree():
