@@ -84,8 +84,8 @@ def _quantize_cols(x, dtype, pow2, ops):
 
 def _blocks_of_band(x, dtype, pow2, ops):
   """float32 (128, c) -> its 128x128 blocks: (values (128, c), scales
-  (c // 128,)). A block of x^T is the transposed block of x with the same
-  scale, so only the codes go through the transpose."""
+  (c // 128,)); c = 128 is one block. A block of x^T is the transposed block
+  of x with the same scale, so only the codes go through the transpose."""
   r, c = x.shape
   col_max = _common.abs_max(jnp.abs(x), 0)  # (c,)
   amax = _common.abs_max(col_max.reshape(c // TILE, TILE), 1)
@@ -94,13 +94,6 @@ def _blocks_of_band(x, dtype, pow2, ops):
       ops.div(x.reshape(r, c // TILE, TILE), scales[None, :, None]),
       dtype, ops)
   return values.reshape(r, c), scales
-
-
-def _block_of(x, dtype, pow2, ops):
-  """A float32 (128, 128) block -> (values FP8, scale (1,))."""
-  amax = _common.abs_max(_common.abs_max(jnp.abs(x), 1)[None, :], 1)  # (1,)
-  scale = reference.scale_from_amax(amax, dtype, pow2)
-  return _common.saturate(ops.div(x, scale[:, None]), dtype, ops), scale
 
 
 def _tiles_kernel(x_ref, *out_refs, rows, cols, ncb, dtype, pow2, transpose,
@@ -137,7 +130,7 @@ def _blocks_kernel(x_ref, v_ref, s_ref, *, rows, cols, ncb, dtype, pow2, ops):
   mask = None if exact else _common.tile_mask(
       i, j, (TILE, TILE), (rows, cols))
   x = _common.masked_load(x_ref, mask, 0.0)
-  values, scale = _block_of(x, dtype, pow2, ops)
+  values, scale = _blocks_of_band(x, dtype, pow2, ops)  # one block
   pltriton.store(v_ref, values, mask=mask)
   s_ref[...] = jnp.broadcast_to(scale[:, None], s_ref.shape)
 
