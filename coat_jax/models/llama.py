@@ -197,13 +197,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   Returns:
     (B, S, N, D) in q.dtype.
   """
+  return _causal_attention(q, k, v)[0]
+
+
+def _causal_attention(q, k, v) -> tuple[jax.Array, bool]:
+  """(`causal_attention(q, k, v)`, whether its backward keeps the output:
+  True for cuDNN flash attention)."""
   if jax.default_backend() == 'gpu':
     try:
       return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                          implementation='cudnn')
+                                          implementation='cudnn'), True
     except (ValueError, NotImplementedError, RuntimeError, TypeError):
       pass
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True), False
 
 
 class Attention(nnx.Module):
@@ -239,9 +245,13 @@ class Attention(nnx.Module):
     q = apply_rope(q.reshape(b, s, self.num_heads, self.head_dim), cos, sin)
     k = apply_rope(k.reshape(b, s, self.num_kv_heads, self.head_dim), cos, sin)
     v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
-    o = remat_lib.name(causal_attention(q, k, v), remat_lib.ATTENTION)
+    o, o_kept = _causal_attention(q, k, v)
+    o = remat_lib.name(o, remat_lib.ATTENTION)
+    # Flash attention keeps o for its backward: the out projection saves
+    # that o rather than an FP8 copy of its own.
     return remat_lib.name(
-        self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim)),
+        self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim),
+                    reuse_input=o_kept),
         remat_lib.OUT_PROJ)
 
 

@@ -11,6 +11,9 @@ and the input is saved transposed.
 
 Several kernels may share one input (Q/K/V, gate/up): the input is then
 quantized and saved once.
+An input that its producer keeps for backward anyway (flash attention's
+output, the out projection's input) is reused (`reuse_input`): the layer
+saves it as it is and quantizes its transpose again in backward.
 
 `scaling='block'` (DeepSeek-V3 granularity, DESIGN section 1) replaces the
 per-tensor scales: the input and the output gradients in 1x128 tiles along
@@ -47,10 +50,11 @@ default_bias_init = nnx.initializers.zeros_init()
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_dense_2d(x, kernels, implementation, gather_axes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_dense_2d(x, kernels, implementation, gather_axes, reuse_input):
   """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0."""
-  return _fp8_dense_fwd(x, kernels, implementation, gather_axes)[0]
+  return _fp8_dense_fwd(x, kernels, implementation, gather_axes,
+                        reuse_input)[0]
 
 
 def _quantize_weight(w, gather_axes, i):
@@ -70,21 +74,32 @@ def _quantize_with_transpose(x, dtype):
                                           implementation=None)
 
 
-def _fp8_dense_fwd(x, kernels, implementation, gather_axes):
-  x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
+def _fp8_dense_fwd(x, kernels, implementation, gather_axes, reuse_input):
+  if reuse_input:  # backward quantizes x^T again, to the same codes
+    x_values, x_scale, _ = tensor_quant.quantize_per_tensor(
+        x, 'e4m3', implementation=None)
+    saved = (x,)
+  else:
+    x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
+    # x^T (K, M), the K-major operand of wgrad (as many bytes as x).
+    saved = name_fp8_residuals((x_t, x_scale))
   outs = []
   for i, w in enumerate(kernels):
     wq = _quantize_weight(w, gather_axes, i)
     outs.append(fp8_matmul(
         x_values, wq.values.T, x_scale, wq.scale, out_dtype=x.dtype,
         implementation=implementation))
-  # Saved: x^T (K, M), the K-major operand of wgrad (as many bytes as x).
-  return tuple(outs), (name_fp8_residuals((x_t, x_scale)) + (kernels,))
+  return tuple(outs), saved + (kernels,)
 
 
-def _fp8_dense_bwd(implementation, gather_axes, residuals, grads):
-  x_t, x_scale, kernels = residuals
-  (x_t, x_scale), grads = after_grads((x_t, x_scale), grads)
+def _fp8_dense_bwd(implementation, gather_axes, reuse_input, residuals,
+                   grads):
+  *saved, kernels = residuals
+  saved, grads = after_grads(tuple(saved), grads)
+  if reuse_input:
+    _, x_scale, x_t = _quantize_with_transpose(saved[0], 'e4m3')
+  else:
+    x_t, x_scale = saved
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
@@ -107,14 +122,15 @@ _fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
 BLOCK_TOKENS = block_quant.TILE
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_dense_block_2d(x, kernels, implementation, gather_axes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_dense_block_2d(x, kernels, implementation, gather_axes, reuse_input):
   """Block-scaled `_fp8_dense_2d`: (M, K) x (K, N_i) -> (M, N_i), any M.
 
   The tokens are zero-padded to a multiple of 128 inside (zero rows add
   nothing to wgrad), so the padding leaves nothing else saved.
   """
-  return _fp8_dense_block_fwd(x, kernels, implementation, gather_axes)[0]
+  return _fp8_dense_block_fwd(x, kernels, implementation, gather_axes,
+                              reuse_input)[0]
 
 
 def _pad_tokens(a):
@@ -142,23 +158,36 @@ def _weight_blocks(w, gather_axes, i):
   return values, scales
 
 
-def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes):
+def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes,
+                         reuse_input):
   rows = x.shape[0]
-  x_values, x_scales, x_t, x_t_scales = _tiles_with_transpose(
-      _pad_tokens(x), 'e4m3')
+  if reuse_input:  # backward quantizes x^T again, to the same codes
+    x_values, x_scales, _, _ = block_quant.quantize_blockwise(
+        _pad_tokens(x), (1, block_quant.TILE), 'e4m3', implementation=None)
+    saved = (x,)
+  else:
+    x_values, x_scales, x_t, x_t_scales = _tiles_with_transpose(
+        _pad_tokens(x), 'e4m3')
+    # x^T (K, M) tiled along tokens with its scales (K, M / 128).
+    saved = name_fp8_residuals((x_t, x_t_scales))
   outs = []
   for i, w in enumerate(kernels):
     w_values, w_scales = _weight_blocks(w, gather_axes, i)
     outs.append(fp8_matmul(
         x_values, w_values.T, x_scales, w_scales.T, out_dtype=x.dtype,
         implementation=implementation)[:rows])
-  # Saved: x^T (K, M) tiled along tokens with its scales (K, M / 128).
-  return tuple(outs), (name_fp8_residuals((x_t, x_t_scales)) + (kernels,))
+  return tuple(outs), saved + (kernels,)
 
 
-def _fp8_dense_block_bwd(implementation, gather_axes, residuals, grads):
-  x_t, x_t_scales, kernels = residuals
-  (x_t, x_t_scales), grads = after_grads((x_t, x_t_scales), grads)
+def _fp8_dense_block_bwd(implementation, gather_axes, reuse_input, residuals,
+                         grads):
+  *saved, kernels = residuals
+  saved, grads = after_grads(tuple(saved), grads)
+  if reuse_input:
+    _, _, x_t, x_t_scales = _tiles_with_transpose(
+        _pad_tokens(saved[0]), 'e4m3')
+  else:
+    x_t, x_t_scales = saved
   dtype = grads[0].dtype
   dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
   dx = None
@@ -202,6 +231,7 @@ def fp8_dense(
     x: jax.Array, kernels: Sequence[jax.Array], *,
     implementation: str | None = None, scaling: str = 'tensor',
     gather_axes: tuple[tuple[str | None, ...] | None, ...] | None = None,
+    reuse_input: bool = False,
 ) -> tuple[jax.Array, ...]:
   """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
 
@@ -218,11 +248,17 @@ def fp8_dense(
       FSDP mesh, all-gather the kernels' FP8 codes
       (`coat_jax.nn.fsdp.gather_fp8_weight`) instead of float32 shards;
       the results are the same.
+    reuse_input: save x itself instead of its FP8 copy, and quantize x^T
+      again in backward (the same codes, so the same gradients). For an x
+      that its producer keeps for backward anyway (flash attention keeps
+      its output): then the layer saves no activation bytes of its own.
+      Ignored where the tokens are padded (scaling 'tensor', M % 16 != 0).
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
     (M x K bytes), its float32 scale(s) (one, or M / 128 per 128 of K
-    with 'block'), and the kernels themselves.
+    with 'block'), and the kernels themselves; with reuse_input, x and the
+    kernels.
   """
   precision_lib.check_scaling(scaling)
   kernels = tuple(kernels)
@@ -240,12 +276,14 @@ def fp8_dense(
     raise ValueError(f'gather_axes names {len(gather_axes)} kernels; there'
                      f' are {len(kernels)} (one tuple of axis names each).')
   if scaling == 'block':  # pads the tokens itself
-    outs = _fp8_dense_block_2d(x2, kernels, implementation, gather_axes)
+    outs = _fp8_dense_block_2d(x2, kernels, implementation, gather_axes,
+                               reuse_input)
     return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
   pad = -rows % precision_lib.FP8_MULTIPLE
   if pad:  # FP8 GEMMs tile M by 16; zero rows add nothing to wgrad.
     x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-  outs = _fp8_dense_2d(x2, kernels, implementation, gather_axes)
+  outs = _fp8_dense_2d(x2, kernels, implementation, gather_axes,
+                       reuse_input and not pad)
   return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
 
 
@@ -263,17 +301,19 @@ def dense(
     x: jax.Array, kernels: Sequence[jax.Array], *, precision: str,
     dtype: Any = jnp.bfloat16, implementation: str | None = None,
     scaling: str = 'tensor', gather_axes: Any = None,
+    reuse_input: bool = False,
 ) -> tuple[jax.Array, ...]:
   """`x @ w` for each kernel, with the implementation of `precision`.
 
   'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense` with
-  `scaling` and `gather_axes` (BF16 matmuls ignore them). x is cast to
-  `dtype` first; outputs are in `dtype`.
+  `scaling`, `gather_axes` and `reuse_input` (BF16 matmuls ignore them). x
+  is cast to `dtype` first; outputs are in `dtype`.
   """
   x = x.astype(dtype)
   if precision_lib.uses_fp8_matmuls(precision):
     return fp8_dense(x, kernels, implementation=implementation,
-                     scaling=scaling, gather_axes=gather_axes)
+                     scaling=scaling, gather_axes=gather_axes,
+                     reuse_input=reuse_input)
   return bf16_dense(x, kernels, dtype=dtype)
 
 
@@ -353,19 +393,23 @@ class CoatLinear(nnx.Module):
     self.fp8_weight_gather = fp8_weight_gather
     self.kernel_axes = kernel_axes
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """(..., in_features) -> (..., out_features) in `dtype`."""
-    return fanout(x, [self])[0]
+  def __call__(self, x: jax.Array, *, reuse_input: bool = False) -> jax.Array:
+    """(..., in_features) -> (..., out_features) in `dtype`.
+
+    reuse_input: x is kept for backward by its producer anyway (see
+    `fp8_dense`): save it instead of an FP8 copy.
+    """
+    return fanout(x, [self], reuse_input=reuse_input)[0]
 
 
 def fanout(
-    x: jax.Array, layers: Sequence[CoatLinear]
+    x: jax.Array, layers: Sequence[CoatLinear], *, reuse_input: bool = False
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
   The layers must share precision, dtype, implementation, scaling and
   fp8_weight_gather (Q/K/V or gate/up projections). Returns one output per
-  layer.
+  layer. reuse_input: see `fp8_dense`.
   """
   first = layers[0]
 
@@ -380,6 +424,7 @@ def fanout(
   outs = dense(x, [layer.kernel[...] for layer in layers],
                precision=first.precision, dtype=first.dtype,
                implementation=first.implementation, scaling=first.scaling,
+               reuse_input=reuse_input,
                gather_axes=(tuple(layer.kernel_axes for layer in layers)
                             if first.fp8_weight_gather else None))
   return tuple(

@@ -12,9 +12,12 @@ compiler sees.
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from benchmarks import step_memory
 import coat_jax.models as cm
+from coat_jax.models import llama
 from coat_jax.models import remat
 from coat_jax.models.llama import DecoderLayer
 from coat_jax.models.llama import rope_tables
@@ -69,3 +72,42 @@ def test_unrolled_coat_step_keeps_its_residuals_per_layer():
         f' {residuals / 2**20:.2f} MiB')
   bound = 1.3 if jax.default_backend() == 'cpu' else 1.5
   assert 0 < per_layer <= bound * residuals
+
+
+def _grads(cfg, tokens):
+  model = cm.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+  graph, state = nnx.split(model)
+  loss_fn = lambda s: cm.lm_loss(nnx.merge(graph, s), tokens,
+                                 jnp.roll(tokens, -1, axis=1))
+  return jax.jit(jax.grad(loss_fn))(state)
+
+
+@pytest.mark.gpu
+def test_out_projection_reuses_flash_attention_output(monkeypatch):
+  """cuDNN flash attention keeps its output o for its backward; the out
+  projection saves that o rather than an FP8 copy: H bytes per token less
+  per layer at the backward's start, the same gradients, bit for bit."""
+  layers, batch, seq = 4, 4, 512
+  cfg = cm.LlamaConfig.preset(
+      'tiny', num_layers=layers, scan_layers=False, remat='none',
+      hidden_size=1024, intermediate_size=2816, num_heads=8, num_kv_heads=2,
+      max_seq_len=seq)
+  q = jnp.zeros((batch, seq, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+  k = jnp.zeros((batch, seq, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+  assert llama._causal_attention(q, k, k)[1]  # cuDNN takes these shapes
+  temp = lambda: step_memory.temp_bytes(cfg, 'coat', batch, seq)
+  tokens = jax.random.randint(jax.random.key(np.random.randint(1 << 30)),
+                              (batch, seq), 0, 256)
+  reused, grads = temp(), _grads(cfg, tokens)
+  attend = llama._causal_attention
+  monkeypatch.setattr(llama, '_causal_attention',
+                      lambda q, k, v: (attend(q, k, v)[0], False))
+  copied, grads_copied = temp(), _grads(cfg, tokens)
+  o_fp8 = batch * seq * cfg.hidden_size  # one layer's E4M3 o^T
+  print(f'step temp: {reused / 2**20:.1f} MiB reusing o, {copied / 2**20:.1f}'
+        f' MiB with FP8 copies ({o_fp8 / 2**20:.1f} MiB a layer)')
+  assert copied - reused >= 0.9 * (layers - 1) * o_fp8
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_copied)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_array_equal(a, b)

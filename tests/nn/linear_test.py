@@ -237,6 +237,45 @@ def test_block_fanout_saves_only_fp8_and_scales():
     assert _rel(a, b) < 0.1
 
 
+@pytest.mark.parametrize('scaling', ['tensor', 'block'])
+def test_reuse_input_saves_x_and_gives_the_same_bits(scaling):
+  """reuse_input saves x itself (no FP8 copy) and quantizes x^T again in
+  backward: the same outputs and gradients, bit for bit."""
+  k = jax.random.split(_key(), 4)
+  x = jax.random.normal(k[0], (2, 40, 64), jnp.bfloat16) * 3
+  x = x.at[1, 7, 9].set(200.0)  # an outlier sets the scale
+  ws = [jax.random.normal(k[1], (64, 32)) * 0.1,
+        jax.random.normal(k[2], (64, 48)) * 0.1]
+  dys = [jax.random.normal(k[3], (2, 40, 32), jnp.bfloat16),
+         jax.random.normal(k[3], (2, 40, 48), jnp.bfloat16) * 1e-3]
+
+  def run(reuse):
+    fn = lambda x, ws: cnn.fp8_dense(x, ws, scaling=scaling,
+                                     reuse_input=reuse)
+    ys, vjp = jax.vjp(fn, x, ws)
+    dx, dws = vjp(tuple(dys))
+    return ys, dx, dws
+
+  got, want = jax.jit(lambda: run(True))(), jax.jit(lambda: run(False))()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.isfinite(np.asarray(a, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+  res = cnn.saved_residuals(
+      lambda x, ws: cnn.fp8_dense(x, ws, scaling=scaling, reuse_input=True),
+      x, ws)
+  assert [(r.shape, str(r.dtype)) for r in res] == [((80, 64), 'bfloat16')]
+
+
+def test_reuse_input_is_ignored_where_tokens_are_padded():
+  x = jax.random.normal(_key(), (3, 5, 64), jnp.bfloat16)  # 15 tokens
+  w = jax.random.normal(_key(), (64, 32)) * 0.1
+  saved = lambda reuse: cnn.saved_residuals(
+      lambda x, w: cnn.fp8_dense(x, [w], reuse_input=reuse), x, w)
+  assert saved(True) == saved(False)
+  assert (64, 16) in [r.shape for r in saved(True)]  # FP8 x^T, padded
+
+
 def test_block_nan_stays_in_its_token():
   """Per-tile scales: a NaN input poisons its own token's outputs only."""
   x = jnp.ones((16, 32), jnp.bfloat16).at[3, 5].set(jnp.nan)
