@@ -16,6 +16,7 @@ that State mapping from the start, so that nnx.Optimizer's state keeps one
 structure and a jitted step compiles once.
 """
 
+import math
 import sys
 from typing import Any
 
@@ -46,20 +47,71 @@ def nnx_layout(tree: Any) -> Any:
   new moment as `nnx.state(moment)` in its Variable: a QuantizedArray there
   would become that mapping at the first update, changing the state's tree
   structure, and a jitted step would compile twice. The mapping has the
-  moment's leaves under the same names, so checkpoints and partition specs
-  are those of the state after an update. Without nnx Variables (plain
-  optax) `tree` is returned unchanged, QuantizedArrays and all.
+  moment's leaves under the same names, so checkpoints are those of the
+  state after an update. Without nnx Variables (plain optax) `tree` is
+  returned unchanged, QuantizedArrays and all.
+
+  Sharding: a param sharded at creation (eager sharding) has a Variable
+  that `nnx.Optimizer` would shard again by its one annotation, values and
+  scales alike, but the scales' last axis (the groups) may not split as the
+  param's does. So the fields are placed here, each by a spec that fits it
+  (`_scale_sharding`), and the moment's Variable is not sharded again.
   """
   # The one flax-aware step. Only nnx makes Variables: if flax.nnx was never
   # imported, there are none (and this module does not import flax).
   nnx = sys.modules.get('flax.nnx')
   if nnx is None:
     return tree
-  is_variable = lambda x: isinstance(x, nnx.Variable)
+
   to_state = lambda m: nnx.state(m) if is_moment(m) else m  # not float32 ones
-  in_variable = lambda v: jax.tree.map(to_state, v, is_leaf=is_moment)
+
+  def in_variable(v):
+    q = v.get_value()
+    if not is_moment(q):  # a float32 moment, or moments deeper inside
+      return jax.tree.map(to_state, v, is_leaf=is_moment)
+    meta = v.get_metadata()
+    sharding = meta.get('optimizer_sharding') or meta.get('out_sharding')
+    if meta.get('eager_sharding') and sharding:
+      from flax.core import spmd  # pylint: disable=g-import-not-at-top
+      place = lambda x, s: spmd.shard_value(
+          x, s, meta.get('sharding_rules'), meta.get('mesh'))
+      q = quant.QuantizedArray(
+          place(q.values, sharding),
+          place(q.scale, _scale_sharding(sharding, q.scale.shape, meta)),
+          None if q.exponent is None else place(
+              q.exponent, _scale_sharding(sharding, q.scale.shape, meta)),
+          q.group_size)
+      meta = {**meta, 'eager_sharding': False}
+    return type(v)(nnx.state(q), **meta)
+
+  is_variable = lambda x: isinstance(x, nnx.Variable)
   return jax.tree.map(lambda x: in_variable(x) if is_variable(x) else x,
                       tree, is_leaf=is_variable)
+
+
+def _scale_sharding(sharding: Any, shape: tuple[int, ...], meta: dict) -> Any:
+  """A param's sharding annotation (logical or mesh axis names, a
+  PartitionSpec or a NamedSharding) fitted to its moment's scale of
+  `shape` (`param.shape[:-1] + (groups,)`): the last axis keeps its entry
+  only where the mesh size of that entry divides the number of groups;
+  else it is replicated. An entry whose mesh size is unknown (no mesh) is
+  kept."""
+  from flax.core import spmd  # pylint: disable=g-import-not-at-top
+  P = jax.sharding.PartitionSpec
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, _scale_sharding(
+        sharding.spec, shape, {**meta, 'mesh': sharding.mesh}))
+  if not isinstance(sharding, tuple | P) or len(sharding) != len(shape):
+    return sharding  # a Format, or no entry for the last axis
+  mesh = meta.get('mesh') or jax.sharding.get_abstract_mesh()
+  entry = tuple(spmd.apply_rules(sharding, meta.get('sharding_rules')))[-1]
+  names = entry if isinstance(entry, tuple) else (entry,)
+  if any(n is not None and n not in mesh.shape for n in names):
+    return sharding
+  if shape[-1] % math.prod(mesh.shape[n] for n in names if n is not None):
+    fitted = (*sharding[:-1], None)
+    return P(*fitted) if isinstance(sharding, P) else fitted
+  return sharding
 
 
 def _is_array_leaf(x: Any) -> bool:

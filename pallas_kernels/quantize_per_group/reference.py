@@ -224,23 +224,52 @@ def scale_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
   return tuple(shape[:-1]) + (num_groups(shape, group_size),)
 
 
+def _explicit_spec(x: jax.Array) -> tuple | None:
+  """x's sharding spec, one entry per axis, if the type shards an axis
+  (Explicit mesh axes); None otherwise."""
+  spec = tuple(jax.typeof(x).sharding.spec)
+  if not any(s is not None for s in spec):
+    return None
+  return spec + (None,) * (x.ndim - len(spec))
+
+
+def _mesh_size(x: jax.Array, entry: Any) -> int:
+  names = entry if isinstance(entry, tuple) else (entry,)
+  mesh = jax.typeof(x).sharding.mesh
+  return math.prod(mesh.shape[n] for n in names if n is not None)
+
+
+def _with_spec(x: jax.Array, spec: tuple | None) -> jax.Array:
+  """x resharded to `spec` (from `_explicit_spec`) if it has another."""
+  if spec is None or _explicit_spec(x) == spec:
+    return x
+  return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec))
+
+
 def _split_last_axis(x: jax.Array, groups: int, group_size: int) -> jax.Array:
   """(..., groups * group_size) -> (..., groups, group_size), sharding kept."""
   new_shape = x.shape[:-1] + (groups, group_size)
-  spec = tuple(jax.typeof(x).sharding.spec)
-  if any(s is not None for s in spec):  # Explicit sharding must be spelled out.
-    spec += (None,) * (x.ndim - len(spec))
+  spec = _explicit_spec(x)
+  if spec is not None:  # Explicit sharding must be spelled out.
     out_sharding = jax.sharding.PartitionSpec(*spec, None)
     return jax.lax.reshape(x, new_shape, out_sharding=out_sharding)
   return x.reshape(new_shape)
 
 
 def to_groups(x: jax.Array, group_size: int) -> jax.Array:
-  """(..., n) -> (..., ceil(n / g), g), zero-padding the last group."""
+  """(..., n) -> (..., ceil(n / g), g), zero-padding the last group.
+
+  With explicit sharding the groups axis takes the last axis's sharding
+  where it divides the number of groups; otherwise that axis is gathered
+  first (a group spans shards), so the scales' last axis is replicated.
+  """
   if x.ndim == 0:
     x = x.reshape(1)
   n = x.shape[-1]
   groups = max(1, math.ceil(n / group_size))
+  spec = _explicit_spec(x)
+  if spec is not None and groups % _mesh_size(x, spec[-1]):
+    x = _with_spec(x, spec[:-1] + (None,))
   pad = groups * group_size - n
   if pad:
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
@@ -257,7 +286,9 @@ def from_groups(y: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         out_sharding=jax.sharding.PartitionSpec(*spec[:-1]))
   else:
     out = y.reshape(y.shape[:-2] + (y.shape[-2] * y.shape[-1],))
-  return out[..., :n].reshape(shape)
+  # Not out[..., :n]: outside jit, jnp indexing of an explicitly sharded
+  # array is a gather that cannot infer its output sharding.
+  return lax.slice_in_dim(out, 0, n, axis=-1).reshape(shape)
 
 
 def quantize_per_group(
@@ -280,7 +311,8 @@ def quantize_per_group(
   groups = to_groups(jnp.asarray(x).astype(jnp.float32), group_size)
   values, scale, exponent = encode_groups(
       groups, dtype, expansion, scale_dtype)
-  return from_groups(values, jnp.shape(x)), scale, exponent
+  values = _with_spec(from_groups(values, jnp.shape(x)), _explicit_spec(x))
+  return values, scale, exponent
 
 
 def dequantize_per_group(
@@ -290,4 +322,5 @@ def dequantize_per_group(
   """Inverse of `quantize_per_group`: an array of values.shape, out_dtype."""
   groups = to_groups(values.astype(jnp.float32), group_size)
   out = decode_groups(groups, scale, exponent, values.dtype)
-  return from_groups(out, values.shape).astype(out_dtype)
+  out = _with_spec(from_groups(out, values.shape), _explicit_spec(values))
+  return out.astype(out_dtype)

@@ -10,6 +10,7 @@ against the same transformation run by plain optax on the same numbers.
 import contextlib
 import functools
 import logging
+import math
 
 from flax import nnx
 import jax
@@ -20,6 +21,8 @@ import pytest
 
 import coat_jax
 from coat_jax import checkpoint
+
+P = jax.sharding.PartitionSpec
 
 LAYERS, WIDTH = 3, 256  # two groups of 128 per row: shardable 2 ways
 
@@ -352,3 +355,72 @@ def test_llama_scanned_layers_nnx_jit_trains():
   losses = [float(step(model, opt)) for _ in range(4)]
   assert losses[-1] < losses[0] - 0.2, losses
   assert int(nnx.as_pure(opt.opt_state)[1][0].count) == 4
+
+
+def _mesh_size(mesh, entry):
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return math.prod(mesh.shape[n] for n in names if n is not None)
+
+
+def _param_norm_loss(model):
+  return sum(jnp.mean(p ** 2) for p in jax.tree.leaves(
+      nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize('axis_type', ['auto', 'explicit'])
+def test_llama_eager_sharded_params_train(axis_type):
+  """The tiny Llama's params sharded at creation (eager sharding by their
+  logical axes) on a (1, 1, 4) mesh: 'tensor' splits axes of 64 and 176,
+  whose moments have 1 or 2 groups of 128, so a moment's scale and exponent
+  cannot take the param's spec on their last axis. Under an Explicit mesh
+  (shardings in the types) the Llama's forward does not trace (its layers
+  leave some out_shardings unspelled), so the steps there take gradients
+  of the params' squared norm: the optimizer's work is the same."""
+  at = {'auto': jax.sharding.AxisType.Auto,
+        'explicit': jax.sharding.AxisType.Explicit}[axis_type]
+  mesh = jax.make_mesh((1, 1, 4), ('data', 'fsdp', 'tensor'),
+                       axis_types=(at,) * 3)
+  cfg = coat_jax.models.LlamaConfig.preset('tiny')
+  tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, cfg.vocab_size)
+  loss_fn = {
+      'auto': lambda m: coat_jax.models.lm_loss(
+          m, tokens[:, :-1], tokens[:, 1:]),
+      'explicit': _param_norm_loss}[axis_type]
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss
+
+  with (jax.set_mesh(mesh),
+        nnx.logical_axis_rules(coat_jax.nn.LOGICAL_AXIS_RULES),
+        nnx.use_eager_sharding(True)):
+    model = coat_jax.models.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    w = params['layers']['mlp']['down_proj']['kernel']  # (2, 176, 64)
+    assert tuple(w.sharding.spec)[1] == 'tensor'
+    opt = nnx.Optimizer(model, coat_jax.coat_adamw(1e-3), wrt=nnx.Param)
+    replicated = []  # per moment: whether its scales' last axis is
+
+    def check_moments():
+      adam = nnx.as_pure(opt.opt_state)[0]
+      for mu in (adam.mu, adam.nu):
+        for path, p in jax.tree_util.tree_leaves_with_path(params):
+          m = functools.reduce(lambda t, k: t[k.key], path, mu)
+          assert m['values'].sharding.is_equivalent_to(p.sharding, p.ndim)
+          spec = tuple(p.sharding.spec) + (None,) * p.ndim
+          spec = spec[:p.ndim]
+          fits = m['scale'].shape[-1] % _mesh_size(mesh, spec[-1]) == 0
+          want = jax.NamedSharding(
+              mesh, P(*spec[:-1], spec[-1] if fits else None))
+          for f in ('scale', 'exponent'):
+            assert m[f].sharding.is_equivalent_to(want, p.ndim), (path, f)
+          replicated.append(not fits)
+
+    check_moments()
+    losses = [float(step(model, opt)) for _ in range(2)]
+    check_moments()
+  assert np.isfinite(losses).all(), losses
+  assert any(replicated) and not all(replicated)  # both kinds were seen
+  assert int(opt.step[...]) == 2

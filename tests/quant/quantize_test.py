@@ -314,6 +314,35 @@ def test_sharding_is_kept(axis_type, spec):
                                 np.asarray(jax.jit(quant.dequantize)(ref)))
 
 
+@pytest.mark.parametrize('jit', [True, False])
+@pytest.mark.parametrize('shape', [(16, 176), (16, 1024), (16, 960), (16, 64)])
+def test_explicit_sharding_of_fewer_groups_than_shards(shape, jit):
+  """Under an Explicit mesh (shardings in the types), eagerly or jitted: a
+  last axis split 8 ways keeps its sharding on the values; the scales'
+  last axis (2, 8, 8 or 1 groups) keeps it only where 8 divides it."""
+  P = jax.sharding.PartitionSpec
+  mesh = jax.make_mesh((8,), ('x',),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  x = jax.random.normal(jax.random.key(1), shape)
+  quantize = lambda v: quant.quantize_per_group(v, 128, expansion=True)
+  maybe_jit = jax.jit if jit else lambda f: f
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, P(None, 'x'))
+    q = maybe_jit(quantize)(xs)
+    deq = maybe_jit(quant.dequantize)(q)
+  groups = -(-shape[-1] // 128)
+  assert q.values.sharding.spec == P(None, 'x')
+  assert deq.sharding.spec == P(None, 'x')
+  scale_spec = P(None, 'x') if groups % 8 == 0 else P(None, None)
+  assert q.scale.sharding.spec == scale_spec
+  assert q.exponent.sharding.spec == scale_spec
+  ref = jax.jit(quantize)(x)
+  for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(deq),
+                                np.asarray(jax.jit(quant.dequantize)(ref)))
+
+
 @pytest.mark.parametrize('bad', [0, -16, 1.5, True, '16'])
 def test_bad_group_size(bad):
   with pytest.raises(ValueError, match='group_size'):
