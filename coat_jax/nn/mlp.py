@@ -1,8 +1,8 @@
 """SwiGLU MLP: down(silu(gate(x)) * up(x)).
 
 `fp8_swiglu` is a custom_vjp for silu(gate) * up that saves gate and up as
-E4M3 1x16 groups (bfloat16 scales) and recomputes silu in backward, so no
-silu output is kept. The product feeds the down projection, whose FP8
+E4M3 1x16 groups (power-of-two E8M0 scales) and recomputes silu in backward,
+so no silu output is kept. The product feeds the down projection, whose FP8
 linear layer saves it per-tensor as E4M3.
 """
 
@@ -65,7 +65,7 @@ def fp8_swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
   Returns:
     (..., I) in gate.dtype, computed in float32 from the exact inputs.
-    Saved: 2 x (I bytes + I/16 bf16 scales) per row; silu is recomputed.
+    Saved: 2 x (I bytes + I/16 one-byte scales) per row; silu is recomputed.
   """
   if gate.shape != up.shape or gate.dtype != up.dtype:
     raise ValueError(f'gate {gate.shape} {gate.dtype} and up {up.shape}'

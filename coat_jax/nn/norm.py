@@ -1,8 +1,9 @@
 """RMSNorm: plain BF16, or a custom_vjp that saves its input as FP8 1x16.
 
 y = x * rsqrt(mean(x^2) + eps) * scale, statistics in float32.
-`fp8_rms_norm` saves only x as E4M3 in 1x16 groups (bfloat16 scales) and
-rstd (float32, one per row); backward dequantizes x and recomputes x_hat.
+`fp8_rms_norm` saves only x as E4M3 in 1x16 groups (power-of-two E8M0
+scales) and rstd (float32, one per row); backward dequantizes x and
+recomputes x_hat.
 """
 
 import functools
@@ -85,7 +86,7 @@ def fp8_rms_norm(
 
   Returns:
     (..., H) in x.dtype, identical to `rms_norm` in the forward pass.
-    Saved: H bytes + H/16 bf16 scales + one fp32 rstd per row.
+    Saved: H bytes + H/16 one-byte scales + one fp32 rstd per row.
   """
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f'x has dtype {x.dtype}; RMSNorm needs floating inputs.')

@@ -16,19 +16,21 @@ PALLAS_IS_DEFAULT = True
 DEQUANTIZE_PALLAS_IS_DEFAULT = False
 
 
-def _check(group_size: Any, scale_dtype: Any) -> tuple[int, np.dtype]:
+def _check(group_size: Any, scale_dtype: Any,
+           expansion: bool = False) -> tuple[int, np.dtype]:
   if (isinstance(group_size, bool)
       or not isinstance(group_size, int | np.integer) or group_size <= 0):
     raise ValueError(
         f'group_size={group_size!r} must be a positive integer, e.g. 128 for'
         ' optimizer states or 16 for activations.')
-  sd = reference.check_scale_dtype(scale_dtype)
+  sd = reference.check_scale_dtype(scale_dtype, expansion)
   return int(group_size), sd
 
 
-def _pallas_ok(group_size: int) -> bool:
+def _pallas_ok(group_size: int, scale_dtype: Any) -> bool:
   # Tiles hold whole groups and Triton tiles are powers of two.
-  return group_size >= 2 and group_size & (group_size - 1) == 0
+  return (group_size >= 2 and group_size & (group_size - 1) == 0
+          and scale_dtype in reference.PALLAS_SCALE_DTYPES)
 
 
 def quantize_per_group(
@@ -43,17 +45,18 @@ def quantize_per_group(
   Args:
     x: floating array of any shape.
     group_size: positive int (the Pallas path needs a power of two and falls
-      back to XLA otherwise).
+      back to XLA otherwise, as for E8M0 scales).
     dtype: 'e4m3' or 'e5m2'.
     expansion: use dynamic range expansion.
-    scale_dtype: float32 or bfloat16.
+    scale_dtype: float32, bfloat16 or float8_e8m0fnu (power-of-two scales,
+      without expansion).
     implementation: None (fastest available), 'xla' or 'pallas'.
 
   Returns:
     (values: x.shape FP8, scale: x.shape[:-1] + (ceil(n / g),),
     exponent: float32 like scale, or None without expansion).
   """
-  group_size, sd = _check(group_size, scale_dtype)
+  group_size, sd = _check(group_size, scale_dtype, expansion)
   dt = _common.fp8_dtype(dtype)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -61,7 +64,7 @@ def quantize_per_group(
                     ' array (cast with x.astype(jnp.float32)).')
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
-  if impl == 'pallas' and _pallas_ok(group_size):
+  if impl == 'pallas' and _pallas_ok(group_size, sd):
     from pallas_kernels.quantize_per_group import pallas_triton
     return pallas_triton.quantize_per_group(
         x, group_size, dt, expansion, scale_dtype=sd, interpret=interpret)
@@ -78,7 +81,8 @@ def dequantize_per_group(
 
   Args:
     values: FP8 codes of any shape.
-    scale: values.shape[:-1] + (ceil(n / g),), float32 or bfloat16.
+    scale: values.shape[:-1] + (ceil(n / g),), float32, bfloat16 or
+      float8_e8m0fnu.
     exponent: like scale, float32, or None for linear quantization.
     group_size: the group size used to quantize.
     out_dtype: floating dtype of the result.
@@ -97,7 +101,7 @@ def dequantize_per_group(
         f' values {values.shape} and group_size={group_size}.')
   impl, interpret = _common.resolve_implementation(
       implementation, DEQUANTIZE_PALLAS_IS_DEFAULT)
-  if impl == 'pallas' and _pallas_ok(group_size):
+  if impl == 'pallas' and _pallas_ok(group_size, scale.dtype):
     from pallas_kernels.quantize_per_group import pallas_triton
     return pallas_triton.dequantize_per_group(
         values, scale, exponent, group_size, out_dtype=np.dtype(out_dtype),

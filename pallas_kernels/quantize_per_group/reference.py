@@ -42,16 +42,26 @@ EXPANSION_STEPS = 16
 K_MIN = 0.25
 K_MAX = 16.0
 LN_2 = np.float32(np.log(2.0))
-SCALE_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+# Power-of-two scales in one byte (MX's E8M0): exact rescaling.
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), E8M0)
+# The Pallas kernels store float32 or bfloat16 scales; E8M0 ones run in XLA.
+PALLAS_SCALE_DTYPES = SCALE_DTYPES[:2]
 
 
-def check_scale_dtype(scale_dtype: Any) -> np.dtype:
-  """`scale_dtype` as a numpy dtype; ValueError unless float32 or bfloat16."""
+def check_scale_dtype(scale_dtype: Any, expansion: bool = False) -> np.dtype:
+  """`scale_dtype` as a numpy dtype; ValueError unless float32, bfloat16 or
+  float8_e8m0fnu (linear quantization only: expansion stores M itself)."""
   sd = np.dtype(scale_dtype)
   if sd not in SCALE_DTYPES:
     raise ValueError(
-        f'scale_dtype={scale_dtype!r} is not supported: use jnp.float32 or'
-        ' jnp.bfloat16.')
+        f'scale_dtype={scale_dtype!r} is not supported: use jnp.float32,'
+        ' jnp.bfloat16 or jnp.float8_e8m0fnu (powers of two).')
+  if expansion and sd == E8M0:
+    raise ValueError(
+        'scale_dtype=float8_e8m0fnu rounds scales to powers of two, but'
+        ' dynamic range expansion stores each group\'s max itself: use'
+        ' jnp.float32 or jnp.bfloat16 with expansion=True.')
   return sd
 
 
@@ -71,17 +81,30 @@ def reciprocal(c: float) -> np.float32:
   return np.float32(1) / np.float32(c)
 
 
+def pow2_ceil(s: jax.Array) -> jax.Array:
+  """The power of two at or above float32 s >= 0, at least 2^-126; 0 and
+  inf stay (NaN gives 0 or inf: `store_scale` restores it). Bit arithmetic:
+  a nonzero mantissa carries into the exponent."""
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  return lax.bitcast_convert_type(
+      (bits + np.int32(0x7FFFFF)) & np.int32(0x7F800000), jnp.float32)
+
+
 def store_scale(
     scale: jax.Array, amax: jax.Array, scale_dtype: Any
 ) -> jax.Array:
-  """Rounds the scale to its storage dtype; 1 where it is 0, NaN if amax is
-  not finite.
+  """Rounds the scale to its storage dtype (E8M0: up to a power of two, so
+  no code passes fp8_max); 1 where it is 0, NaN if amax is not finite.
 
   Exact additions instead of `jnp.where(..., 1.0, ...)`, whose broadcast
   constants jax would hoist out of a scanned layer (see `_common.clamp`):
   scale >= 0 gains 1 only where it is 0, and amax - amax is 0 for a finite
   amax and NaN otherwise.
   """
+  if np.dtype(scale_dtype) == E8M0:  # no zero in E8M0: add in float32
+    scale = pow2_ceil(scale)
+    scale = scale + (scale == 0).astype(scale.dtype)
+    return (scale + (amax - amax)).astype(E8M0)
   scale = scale.astype(scale_dtype)
   scale = scale + (scale == 0).astype(scale.dtype)
   return scale + (amax - amax).astype(scale.dtype)
@@ -302,12 +325,13 @@ def quantize_per_group(
     group_size: positive int; a partial last group is zero-padded.
     dtype: 'e4m3' or 'e5m2'.
     expansion: COAT's dynamic range expansion.
-    scale_dtype: float32 or bfloat16.
+    scale_dtype: float32, bfloat16 or float8_e8m0fnu (without expansion).
 
   Returns:
     (values: x.shape FP8, scale: scale_shape(x.shape) scale_dtype,
     exponent: like scale, float32, or None without expansion).
   """
+  check_scale_dtype(scale_dtype, expansion)
   groups = to_groups(jnp.asarray(x).astype(jnp.float32), group_size)
   values, scale, exponent = encode_groups(
       groups, dtype, expansion, scale_dtype)

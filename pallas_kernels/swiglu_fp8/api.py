@@ -30,12 +30,14 @@ def _check_group_size(group_size: Any) -> int:
   return int(group_size)
 
 
-def _use_pallas(implementation: str | None, group_size: int, size: int):
+def _use_pallas(implementation: str | None, group_size: int, size: int,
+                scale_dtype: Any):
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   # Tiles hold whole groups and Triton tiles are powers of two; an empty
-  # array has no program to run.
-  ok = group_size & (group_size - 1) == 0 and size > 0
+  # array has no program to run; E8M0 scales are XLA's.
+  ok = (group_size & (group_size - 1) == 0 and size > 0
+        and scale_dtype in group_reference.PALLAS_SCALE_DTYPES)
   return impl == 'pallas' and ok, interpret
 
 
@@ -49,7 +51,8 @@ def swiglu_fp8_fwd(
   Args:
     gate, up: (..., I) bfloat16 or float32, same shape and dtype.
     group_size: elements per group of the E4M3 copies (16 for COAT).
-    scale_dtype: float32 or bfloat16, the group scales' dtype.
+    scale_dtype: float32, bfloat16 or float8_e8m0fnu (XLA only), the group
+      scales' dtype.
     implementation: None (fastest available), 'xla' or 'pallas'.
 
   Returns:
@@ -64,7 +67,7 @@ def swiglu_fp8_fwd(
     raise TypeError(f'gate has dtype {gate.dtype}; SwiGLU needs floats.')
   group_size = _check_group_size(group_size)
   sd = group_reference.check_scale_dtype(scale_dtype)
-  use, interpret = _use_pallas(implementation, group_size, gate.size)
+  use, interpret = _use_pallas(implementation, group_size, gate.size, sd)
   if use:
     from pallas_kernels.swiglu_fp8 import pallas_triton
     return pallas_triton.swiglu_fp8_fwd(
@@ -102,7 +105,8 @@ def swiglu_fp8_bwd(
           f'{name} has codes {codes.shape} {codes.dtype} and scales'
           f' {scales.shape}; expected E4M3 codes {dh.shape} and scales'
           f' {sshape} (the forward outputs for dh {dh.shape}).')
-  use, interpret = _use_pallas(implementation, group_size, dh.size)
+  use, interpret = _use_pallas(implementation, group_size, dh.size,
+                               gate_groups[1].dtype)
   if use:
     from pallas_kernels.swiglu_fp8 import pallas_triton
     return pallas_triton.swiglu_fp8_bwd(

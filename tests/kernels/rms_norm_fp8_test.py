@@ -260,7 +260,10 @@ def test_fp8_rms_norm_layer_gradients_through_the_kernels(monkeypatch):
   """coat_jax.nn's fp8_rms_norm under jit(grad) with the kernels picked (as
   on one Hopper GPU; interpreted here): the reference's y and gradients."""
   from coat_jax.nn import norm  # pylint: disable=g-import-not-at-top
+  from coat_jax.nn import precision  # pylint: disable=g-import-not-at-top
   from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
+  # The kernels store bf16 scales (the layers' E8M0 scales run in XLA).
+  monkeypatch.setattr(precision, 'ACTIVATION_SCALE_DTYPE', jnp.bfloat16)
   x = _data((2, 5, 64), jnp.float32, seed=12)
   scale = jnp.linspace(0.5, 1.5, 64, dtype=jnp.float32)
   w = _data((2, 5, 64), jnp.float32, seed=13)

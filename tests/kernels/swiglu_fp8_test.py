@@ -258,7 +258,10 @@ def test_fp8_swiglu_gradients_through_the_kernels(monkeypatch):
   """coat_jax.nn's fp8_swiglu under jit(grad) with the kernels picked (as
   on one Hopper GPU; interpreted here): the reference's bits."""
   from coat_jax.nn import mlp  # pylint: disable=g-import-not-at-top
+  from coat_jax.nn import precision  # pylint: disable=g-import-not-at-top
   from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
+  # The kernels store bf16 scales (the layers' E8M0 scales run in XLA).
+  monkeypatch.setattr(precision, 'ACTIVATION_SCALE_DTYPE', jnp.bfloat16)
   gate, up = _data((2, 3, 48), seed=15, mag=4.0), _data((2, 3, 48), seed=16)
   w = _data((2, 3, 48), seed=17)
   loss = lambda g, u: jnp.sum((mlp.fp8_swiglu(g, u) * w).astype(jnp.float32))

@@ -256,7 +256,7 @@ def test_coat_layer_saves_fp8_and_less_than_other_modes():
               and r.dtype in (jnp.bfloat16, jnp.float32)]
       assert not wide, f'coat saves high-precision activations: {wide}'
       assert {str(r.dtype) for r in rest} <= {
-          'float8_e4m3fn', 'bfloat16', 'float32'}
+          'float8_e4m3fn', 'float8_e8m0fnu', 'bfloat16', 'float32'}
     saved[precision] = cnn.nbytes(rest) + flash
     print(f'{precision:>10}: {saved[precision] / unit:6.3f} U per layer'
           f' ({cnn.nbytes(rest) / unit:6.3f} U outside attention; CPU XLA'

@@ -66,7 +66,7 @@ def test_swiglu_saves_only_fp8_groups():
   gate = jnp.ones((2, 40, 176), jnp.bfloat16)
   res = cnn.saved_residuals(cnn.fp8_swiglu, gate, gate + 1)
   assert [(r.shape, str(r.dtype)) for r in res] == [
-      ((2, 40, 176), 'float8_e4m3fn'), ((2, 40, 11), 'bfloat16')] * 2
+      ((2, 40, 176), 'float8_e4m3fn'), ((2, 40, 11), 'float8_e8m0fnu')] * 2
 
 
 def _mlp_grads(precision, params_from, x, dy):

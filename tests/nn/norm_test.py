@@ -68,17 +68,17 @@ def test_random_input_within_fp8_error():
   assert np.isfinite(np.asarray(dx, np.float32)).all()
 
 
-def test_saves_fp8_groups_bf16_scales_and_rstd():
+def test_saves_fp8_groups_e8m0_scales_and_rstd():
   x = jnp.ones((2, 40, 128), jnp.bfloat16)
   res = cnn.saved_residuals(cnn.fp8_rms_norm, x, jnp.ones((128,)))
   assert [(r.shape, str(r.dtype)) for r in res] == [
-      ((2, 40, 128), 'float8_e4m3fn'), ((2, 40, 8), 'bfloat16'),
+      ((2, 40, 128), 'float8_e4m3fn'), ((2, 40, 8), 'float8_e8m0fnu'),
       ((2, 40, 1), 'float32')]
   per_element = cnn.nbytes(res) / x.size
-  # 1 (code) + 2/16 (bf16 scale) + 4/128 (rstd): 1.156 bytes vs 2 for bf16.
+  # 1 (code) + 1/16 (E8M0 scale) + 4/128 (rstd): 1.094 bytes vs 2 for bf16.
   print(f'fp8_rms_norm saves {per_element:.4f} bytes/element'
-        ' (fp32 scales would be 1.2813)')
-  assert per_element == pytest.approx(1 + 2 / 16 + 4 / 128)
+        ' (bf16 scales: 1.1563, fp32: 1.2813)')
+  assert per_element == pytest.approx(1 + 1 / 16 + 4 / 128)
 
 
 def test_nan_propagates_to_dx():
