@@ -398,25 +398,26 @@ class Llama(nnx.Module):
   def _scan_layers(self, graphdef, stacked, x, cos, sin):
     """The stacked layers applied to x under `jax.lax.scan`.
 
-    Scan's backward stacks each layer's param gradients: L x params x 4
-    bytes for float32 params, allocated whole while every residual is live
-    (the train step's peak; unrolled layers have freed residuals before
-    their gradients exist). So each param enters the scan twice: float32
-    without gradient (what the layer reads) and as a `dtype` (bf16) copy that
-    only carries the gradient (`_grad_through` never reads its value; XLA
-    drops it). Backward then stacks bf16 gradients, cast to float32 after
-    the loop: half the stack. In 'bf16' mode the gradients are bf16-valued
-    anyway (each layer reads its params cast to bf16): the same bits. In the
-    FP8 modes the wgrads of the FP8 GEMMs (float32) are rounded to bf16, a
-    2^-9 relative step, far below FP8's (E5M2 output gradients: 2^-3).
+    In 'bf16' mode each layer param is used only cast to bf16, so its
+    gradient is bf16-valued, yet scan's backward would stack it in float32:
+    L x params x 4 bytes, allocated whole while every residual is live (the
+    train step's peak; unrolled layers hold bf16 weights there). So each
+    param enters the scan twice: float32 without gradient (read and cast per
+    layer, as before) and as a bf16 copy that only carries the gradient
+    (`_cast_param` never reads its value; XLA drops it). Backward then
+    stacks bf16 gradients, cast to float32 after the loop: same bits, half
+    the stack.
 
     The out projections save their own FP8 copy of the attention output:
     saving flash attention's o instead stacks o a second time under scan
     (1b, batch 8, remat minimal, H100: 24.6 against 23.9 GiB).
     """
-    xs = (jax.lax.stop_gradient(stacked),
-          jax.tree.map(lambda a: a.astype(self.dtype), stacked))
-    params = lambda xs: jax.tree.map(_grad_through, *xs)
+    if self.precision == 'bf16':
+      xs = (jax.lax.stop_gradient(stacked),
+            jax.tree.map(lambda a: a.astype(self.dtype), stacked))
+      params = lambda xs: jax.tree.map(_cast_param, *xs)
+    else:
+      xs, params = stacked, lambda xs: xs
     apply_layer = remat_lib.apply(
         lambda xs, x: nnx.merge(graphdef, params(xs))(
             x, cos, sin, reuse_attention_output=False),
@@ -435,18 +436,16 @@ class Llama(nnx.Module):
 
 
 @jax.custom_jvp
-def _grad_through(w: jax.Array, carrier: jax.Array) -> jax.Array:
-  """w itself, whose tangent is carrier's (cast to w's dtype; w's own is
-  dropped): backward hands w's cotangent to carrier, rounded to carrier's
-  dtype. carrier's value is never read."""
-  del carrier
-  return w
+def _cast_param(w: jax.Array, carrier: jax.Array) -> jax.Array:
+  """w cast to carrier's dtype; the tangent is carrier's (w's is dropped),
+  and carrier's value is never read."""
+  return w.astype(carrier.dtype)
 
 
-@_grad_through.defjvp
-def _grad_through_jvp(primals, tangents):
-  w, _ = primals
-  return w, tangents[1].astype(w.dtype)
+@_cast_param.defjvp
+def _cast_param_jvp(primals, tangents):
+  w, carrier = primals
+  return w.astype(carrier.dtype), tangents[1]
 
 
 def _check_tokens(tokens: Any, config: LlamaConfig) -> int:

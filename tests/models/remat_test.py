@@ -117,8 +117,8 @@ def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
   # the H200 (bf16 at 1b, batch 8: 31.9 scanned vs 30.3 GiB unrolled), this
   # test passes on CPU only because the CPU inflates the unrolled step.
   # Here the gradients are outputs of the step; in the train step they are
-  # temporaries, and there the scan stacks the layer gradients in
-  # bf16 (llama_test.test_scanned_layers_stack_bfloat16_gradients):
+  # temporaries, and there bf16 mode's scan stacks the layer gradients in
+  # bf16 (llama_test.test_scanned_bf16_layers_stack_bfloat16_gradients):
   # measured with barriers kept (125m, 4 layers, batch 4 x 1024), the
   # scanned bf16 train step's temp went 1946.9 -> 1892.9 MiB (-L x params x
   # 2 bytes), unrolled 1534.9 either way. CPU stacks bf16 residuals as
