@@ -131,6 +131,64 @@ def tensor_abs_max(x: jax.Array) -> jax.Array:
   return abs_max(flat, 0) if flat.size else jnp.float32(0)
 
 
+def explicit_spec(x: jax.Array) -> tuple | None:
+  """x's sharding spec, one entry per axis, if its type shards an axis
+  (Explicit mesh axes); None otherwise (one device, no mesh, Auto axes:
+  then callers leave their code as it is)."""
+  spec = tuple(jax.typeof(x).sharding.spec)
+  if not any(s is not None for s in spec):
+    return None
+  return spec + (None,) * (x.ndim - len(spec))
+
+
+def mesh_size(x: jax.Array, entry: Any) -> int:
+  """Devices along one spec entry (a mesh axis name, a tuple, None) of x."""
+  names = entry if isinstance(entry, tuple) else (entry,)
+  mesh = jax.typeof(x).sharding.mesh
+  return math.prod(mesh.shape[n] for n in names if n is not None)
+
+
+def with_spec(x: jax.Array, spec: tuple | None) -> jax.Array:
+  """x resharded to `spec` (from `explicit_spec`) if it has another."""
+  if spec is None or explicit_spec(x) == spec:
+    return x
+  return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec))
+
+
+def replicated(x: jax.Array) -> jax.Array:
+  """x with no sharded axis: an all-gather under Explicit mesh axes (its
+  transpose, in backward, reduce-scatters); x itself otherwise."""
+  spec = explicit_spec(x)
+  return x if spec is None else with_spec(x, (None,) * x.ndim)
+
+
+def _axes(entry: Any) -> tuple:
+  return entry if isinstance(entry, tuple) else (() if entry is None
+                                                 else (entry,))
+
+
+def dot_out_sharding(
+    a: jax.Array, b: jax.Array, a_free: int, b_free: int
+) -> jax.sharding.PartitionSpec | None:
+  """The out_sharding of a two-operand contraction under Explicit axes.
+
+  For an (a_free-th axis of a) x (b_free-th axis of b) result, such as
+  (M, K) x (N, K) -> (M, N) with a_free = b_free = 0: each output axis keeps
+  its operand's sharding (b's dropped if it reuses a mesh axis of a's), and
+  a contraction over sharded axes is summed across them. jax asks for it
+  whenever contracted axes are sharded. None (no out_sharding) without
+  Explicit sharding, so that other code is traced as before.
+  """
+  sa, sb = explicit_spec(a), explicit_spec(b)
+  if sa is None and sb is None:
+    return None
+  ea = sa[a_free] if sa is not None else None
+  eb = sb[b_free] if sb is not None else None
+  if set(_axes(ea)) & set(_axes(eb)):
+    eb = None
+  return jax.sharding.PartitionSpec(ea, eb)
+
+
 def _asm(instruction: str, *args: jax.Array) -> jax.Array:
   args = jnp.broadcast_arrays(*[jnp.asarray(a, jnp.float32) for a in args])
   constraints = '=f' + ',f' * len(args)

@@ -23,6 +23,7 @@ from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.mlp import CoatMLP
 from coat_jax.nn.norm import CoatRMSNorm
+from pallas_kernels import _common
 
 _PRESETS = {
     'tiny': dict(vocab_size=256, hidden_size=64, intermediate_size=176,
@@ -357,8 +358,8 @@ class Llama(nnx.Module):
   def head_kernel(self) -> jax.Array:
     """The (H, V) output projection (the embedding's transpose if tied)."""
     if self.lm_head is None:
-      return self.embed[...].T
-    return self.lm_head[...]
+      return fsdp.gather_weight(self.embed[...]).T
+    return fsdp.gather_weight(self.lm_head[...])
 
   def hidden_states(self, tokens: jax.Array,
                     layers: Sequence[Any] | None = None) -> jax.Array:
@@ -380,7 +381,7 @@ class Llama(nnx.Module):
     # Under an FSDP mesh the residual stream stays batch-sharded, so each
     # layer gathers its weights rather than moving activations.
     x = fsdp.shard_batch(
-        jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype))
+        _embed(self.embed[...], tokens).astype(self.dtype))
     cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta,
                            self.config.rope_scaling)
 
@@ -433,6 +434,22 @@ class Llama(nnx.Module):
     h = self.hidden_states(tokens)
     return jnp.dot(h, self.head_kernel().astype(self.dtype),
                    preferred_element_type=jnp.float32)
+
+
+def _embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """table[tokens]: (B, S, H) rows of the (V, H) table.
+
+  Under Explicit mesh axes the table is gathered whole first and the rows
+  take the tokens' sharding (jax asks for the gather's out_sharding there);
+  elsewhere a plain `jnp.take`, as always.
+  """
+  spec = _common.explicit_spec(tokens)
+  table = fsdp.gather_weight(table)
+  if spec is None and _common.explicit_spec(table) is None:
+    return jnp.take(table, tokens, axis=0)
+  spec = spec or (None,) * tokens.ndim
+  return table.at[tokens].get(
+      mode='fill', out_sharding=jax.sharding.PartitionSpec(*spec, None))
 
 
 @jax.custom_jvp

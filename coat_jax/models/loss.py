@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common
+
 
 def chunked_cross_entropy(
     hidden: jax.Array,
@@ -42,6 +44,11 @@ def chunked_cross_entropy(
   t = targets.reshape(-1).astype(jnp.int32)
   tokens = t.shape[0]
   chunk = min(chunk_size, tokens)
+  # Tokens sharded by Explicit mesh axes (None elsewhere): see `_chunks`.
+  token_axes = (_common.explicit_spec(h) or (None,))[0]
+  if token_axes is not None:
+    shards = _common.mesh_size(h, token_axes)
+    chunk = -(-chunk // shards) * shards
   pad = -tokens % chunk
   if pad:
     h = jnp.pad(h, ((0, pad), (0, 0)))
@@ -66,9 +73,26 @@ def chunked_cross_entropy(
 
   totals = jax.lax.map(
       lambda xs: chunk_totals(xs[0], xs[1], w),
-      (h.reshape(-1, chunk, width), t.reshape(-1, chunk)))
+      (_chunks(h, chunk, token_axes), _chunks(t, chunk, token_axes)))
   loss_sum, count = jnp.sum(totals, axis=0)
   return loss_sum, count
+
+
+def _chunks(x: jax.Array, chunk: int, token_axes) -> jax.Array:
+  """(T, ...) -> (T / chunk, chunk, ...): chunk i holds tokens i * chunk to
+  (i + 1) * chunk - 1.
+
+  With the tokens sharded over the mesh axes `token_axes` (Explicit axes;
+  chunk a multiple of their size), `lax.map` cannot run over a sharded axis:
+  chunk i then holds every (T / chunk)-th token from i, sharded like the
+  tokens (a sum does not care about the order of its terms).
+  """
+  n = x.shape[0] // chunk
+  if token_axes is None:
+    return x.reshape((n, chunk) + x.shape[1:])
+  spec = jax.sharding.PartitionSpec(token_axes, *(None,) * x.ndim)
+  return jnp.swapaxes(jax.lax.reshape(x, (chunk, n) + x.shape[1:],
+                                      out_sharding=spec), 0, 1)
 
 
 @jax.custom_vjp
@@ -85,10 +109,14 @@ def _logits_bwd(residuals, g):
   # The float32 logits gradient is rounded to the inputs' dtype so that both
   # backward GEMMs run in it, accumulating in float32; autodiff would mix a
   # float32 gradient with BF16 operands and run them as float32 (TF32) GEMMs.
+  # Under Explicit mesh axes the tokens are sharded: dw's contraction over
+  # them is spelled out (`dot_out_sharding`; None elsewhere).
   h, w = residuals
   g = g.astype(h.dtype)
-  dh = jnp.dot(g, w.T, preferred_element_type=jnp.float32)
-  dw = jnp.dot(h.T, g, preferred_element_type=jnp.float32)
+  dh = jnp.dot(g, w.T, preferred_element_type=jnp.float32,
+               out_sharding=_common.dot_out_sharding(g, w.T, 0, 1))
+  dw = jnp.dot(h.T, g, preferred_element_type=jnp.float32,
+               out_sharding=_common.dot_out_sharding(h.T, g, 0, 1))
   return dh.astype(h.dtype), dw.astype(w.dtype)
 
 

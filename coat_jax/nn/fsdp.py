@@ -5,6 +5,12 @@ Both act only under a mesh (`jax.set_mesh`) with the ('data', 'fsdp',
 no mesh, other axis names, Explicit axes) they return their input
 unchanged.
 
+Under Explicit mesh axes the shardings are the arrays' types, and
+`gather_weight` spells FSDP out: a layer gathers each weight it uses whole
+(its 'fsdp' and 'tensor' shards alike), so the activations keep the batch
+sharding of the tokens and nothing else; backward reduce-scatters the
+gradients to the params' shards.
+
 With weights sharded over 'fsdp' and nothing pinning the activations, XLA's
 partitioner may keep the weights in place and shard the activations' feature
 axis instead (it did on XLA:CPU: every matmul then moved activations).
@@ -22,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from coat_jax.nn import partitioning
+from pallas_kernels import _common
 
 BATCH_AXES = ('data', 'fsdp')
 TENSOR_AXIS = 'tensor'
@@ -52,6 +59,12 @@ def shard_batch(x: jax.Array) -> jax.Array:
     return x
   return jax.lax.with_sharding_constraint(
       x, P(BATCH_AXES, *([None] * (x.ndim - 1))))
+
+
+def gather_weight(w: jax.Array) -> jax.Array:
+  """w all-gathered (no sharded axis) if its type is sharded (Explicit mesh
+  axes); w itself otherwise, so Auto-mode programs are unchanged."""
+  return _common.replicated(w)
 
 
 def _fsdp_names(rules=partitioning.LOGICAL_AXIS_RULES) -> set[str]:

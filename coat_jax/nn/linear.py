@@ -421,12 +421,13 @@ def fanout(
     if shared(layer) != shared(first):
       raise ValueError('fanout: all layers must share precision, dtype,'
                        ' implementation, scaling and fp8_weight_gather.')
-  outs = dense(x, [layer.kernel[...] for layer in layers],
+  outs = dense(x, [fsdp.gather_weight(layer.kernel[...]) for layer in layers],
                precision=first.precision, dtype=first.dtype,
                implementation=first.implementation, scaling=first.scaling,
                reuse_input=reuse_input,
                gather_axes=(tuple(layer.kernel_axes for layer in layers)
                             if first.fp8_weight_gather else None))
   return tuple(
-      y + layer.bias[...].astype(y.dtype) if layer.bias is not None else y
+      y + fsdp.gather_weight(layer.bias[...]).astype(y.dtype)
+      if layer.bias is not None else y
       for y, layer in zip(outs, layers, strict=True))

@@ -127,16 +127,20 @@ def _xla_matmul(a, b, scale, out_dtype):
   -> 250.8 ms, benchmarks/RESULTS.md). With BF16 out the result is rounded
   twice, to within 1 ulp instead of 1/2; the CPU path rounds the same way.
   """
+  # Under Explicit mesh axes a sharded K (wgrad's tokens) is summed across
+  # its shards; None elsewhere (see `_common.dot_out_sharding`).
+  out_sharding = _common.dot_out_sharding(a, b, 0, 0)
   if jax.default_backend() == 'gpu':
     acc = jax.lax.dot_general(
         a, b, _DIMS,
         precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
-        preferred_element_type=out_dtype)
+        preferred_element_type=out_dtype, out_sharding=out_sharding)
   else:  # The FP8 preset is GPU-only; FP8 products are exact in float32.
     acc = jax.lax.dot_general(
         a.astype(jnp.float32), b.astype(jnp.float32), _DIMS,
         precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32).astype(out_dtype)
+        preferred_element_type=jnp.float32,
+        out_sharding=out_sharding).astype(out_dtype)
   return (acc.astype(jnp.float32) * scale).astype(out_dtype)
 
 

@@ -247,26 +247,9 @@ def scale_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
   return tuple(shape[:-1]) + (num_groups(shape, group_size),)
 
 
-def _explicit_spec(x: jax.Array) -> tuple | None:
-  """x's sharding spec, one entry per axis, if the type shards an axis
-  (Explicit mesh axes); None otherwise."""
-  spec = tuple(jax.typeof(x).sharding.spec)
-  if not any(s is not None for s in spec):
-    return None
-  return spec + (None,) * (x.ndim - len(spec))
-
-
-def _mesh_size(x: jax.Array, entry: Any) -> int:
-  names = entry if isinstance(entry, tuple) else (entry,)
-  mesh = jax.typeof(x).sharding.mesh
-  return math.prod(mesh.shape[n] for n in names if n is not None)
-
-
-def _with_spec(x: jax.Array, spec: tuple | None) -> jax.Array:
-  """x resharded to `spec` (from `_explicit_spec`) if it has another."""
-  if spec is None or _explicit_spec(x) == spec:
-    return x
-  return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec))
+_explicit_spec = _common.explicit_spec
+_mesh_size = _common.mesh_size
+_with_spec = _common.with_spec
 
 
 def _split_last_axis(x: jax.Array, groups: int, group_size: int) -> jax.Array:
