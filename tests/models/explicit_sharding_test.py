@@ -20,8 +20,8 @@ import functools
 
 from flax import nnx
 import jax
-from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
