@@ -443,11 +443,10 @@ def _embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
   take the tokens' sharding (jax asks for the gather's out_sharding there);
   elsewhere a plain `jnp.take`, as always.
   """
-  spec = _common.explicit_spec(tokens)
   table = fsdp.gather_weight(table)
-  if spec is None and _common.explicit_spec(table) is None:
+  spec = _common.explicit_spec(tokens)
+  if spec is None:
     return jnp.take(table, tokens, axis=0)
-  spec = spec or (None,) * tokens.ndim
   return table.at[tokens].get(
       mode='fill', out_sharding=jax.sharding.PartitionSpec(*spec, None))
 

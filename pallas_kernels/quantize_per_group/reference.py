@@ -247,15 +247,10 @@ def scale_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
   return tuple(shape[:-1]) + (num_groups(shape, group_size),)
 
 
-_explicit_spec = _common.explicit_spec
-_mesh_size = _common.mesh_size
-_with_spec = _common.with_spec
-
-
 def _split_last_axis(x: jax.Array, groups: int, group_size: int) -> jax.Array:
   """(..., groups * group_size) -> (..., groups, group_size), sharding kept."""
   new_shape = x.shape[:-1] + (groups, group_size)
-  spec = _explicit_spec(x)
+  spec = _common.explicit_spec(x)
   if spec is not None:  # Explicit sharding must be spelled out.
     out_sharding = jax.sharding.PartitionSpec(*spec, None)
     return jax.lax.reshape(x, new_shape, out_sharding=out_sharding)
@@ -273,9 +268,9 @@ def to_groups(x: jax.Array, group_size: int) -> jax.Array:
     x = x.reshape(1)
   n = x.shape[-1]
   groups = max(1, math.ceil(n / group_size))
-  spec = _explicit_spec(x)
-  if spec is not None and groups % _mesh_size(x, spec[-1]):
-    x = _with_spec(x, spec[:-1] + (None,))
+  spec = _common.explicit_spec(x)
+  if spec is not None and groups % _common.mesh_size(x, spec[-1]):
+    x = _common.with_spec(x, spec[:-1] + (None,))
   pad = groups * group_size - n
   if pad:
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
@@ -318,7 +313,8 @@ def quantize_per_group(
   groups = to_groups(jnp.asarray(x).astype(jnp.float32), group_size)
   values, scale, exponent = encode_groups(
       groups, dtype, expansion, scale_dtype)
-  values = _with_spec(from_groups(values, jnp.shape(x)), _explicit_spec(x))
+  values = _common.with_spec(from_groups(values, jnp.shape(x)),
+                             _common.explicit_spec(x))
   return values, scale, exponent
 
 
@@ -329,5 +325,6 @@ def dequantize_per_group(
   """Inverse of `quantize_per_group`: an array of values.shape, out_dtype."""
   groups = to_groups(values.astype(jnp.float32), group_size)
   out = decode_groups(groups, scale, exponent, values.dtype)
-  out = _with_spec(from_groups(out, values.shape), _explicit_spec(values))
+  out = _common.with_spec(from_groups(out, values.shape),
+                          _common.explicit_spec(values))
   return out.astype(out_dtype)
