@@ -75,10 +75,11 @@ def _quantize_with_transpose(x, dtype):
 
 
 def _fp8_dense_fwd(x, kernels, implementation, gather_axes, reuse_input):
-  if reuse_input:  # backward quantizes x^T again, to the same codes
+  if reuse_input:  # backward quantizes x^T again with this amax: same codes
+    x_amax = tensor_quant.tensor_amax(x, implementation=None)
     x_values, x_scale, _ = tensor_quant.quantize_per_tensor(
-        x, 'e4m3', implementation=None)
-    saved = (x,)
+        x, 'e4m3', amax=x_amax, implementation=None)
+    saved = (x,) + name_fp8_residuals((x_amax,))
   else:
     x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
     # x^T (K, M), the K-major operand of wgrad (as many bytes as x).
@@ -97,7 +98,9 @@ def _fp8_dense_bwd(implementation, gather_axes, reuse_input, residuals,
   *saved, kernels = residuals
   saved, grads = after_grads(tuple(saved), grads)
   if reuse_input:
-    _, x_scale, x_t = _quantize_with_transpose(saved[0], 'e4m3')
+    x, x_amax = saved
+    _, x_scale, x_t = tensor_quant.quantize_per_tensor(
+        x, 'e4m3', amax=x_amax, transpose=True, implementation=None)
   else:
     x_t, x_scale = saved
   dtype = grads[0].dtype
@@ -248,10 +251,11 @@ def fp8_dense(
       FSDP mesh, all-gather the kernels' FP8 codes
       (`coat_jax.nn.fsdp.gather_fp8_weight`) instead of float32 shards;
       the results are the same.
-    reuse_input: save x itself instead of its FP8 copy, and quantize x^T
-      again in backward (the same codes, so the same gradients). For an x
-      that its producer keeps for backward anyway (flash attention keeps
-      its output): then the layer saves no activation bytes of its own.
+    reuse_input: save x itself (and, with 'tensor', its amax) instead of
+      its FP8 copy, and quantize x^T again in backward (the same codes, so
+      the same gradients). For an x that its producer keeps for backward
+      anyway (flash attention keeps its output): then the layer saves no
+      activation bytes of its own.
       Ignored where the tokens are padded (scaling 'tensor', M % 16 != 0).
 
   Returns:

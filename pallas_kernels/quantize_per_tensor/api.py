@@ -54,3 +54,23 @@ def quantize_per_tensor(
         interpret=interpret)
   return reference.quantize_per_tensor(
       x, dt, scale_dtype=sd, amax=amax, transpose=transpose)
+
+
+def tensor_amax(
+    x: jax.Array, *, implementation: str | None = None
+) -> jax.Array:
+  """max |x| as float32 (0 for an empty array): the `amax` that
+  `quantize_per_tensor` computes when it is not given one, by the same
+  implementation, so passing it back gives the same scale and codes.
+
+  Args:
+    x: floating array of any shape.
+    implementation: None (fastest available), 'xla' or 'pallas'.
+  """
+  x = jnp.asarray(x)
+  impl, interpret = _common.resolve_implementation(
+      implementation, PALLAS_IS_DEFAULT)
+  if impl == 'pallas' and x.size:
+    from pallas_kernels.quantize_per_tensor import pallas_triton
+    return pallas_triton.tensor_amax(x, interpret=interpret)
+  return reference.tensor_amax(x)

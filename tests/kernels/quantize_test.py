@@ -239,6 +239,25 @@ def test_tensor_special_values():
   _assert_same(out[1], ref[1])
 
 
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_tensor_amax_given_back_gives_the_same_codes(implementation):
+  """tensor_amax is the amax quantize_per_tensor computes itself: passed
+  back as amax=, the same scale and codes (NaN and Inf included)."""
+  for x in (_data((37, 96), seed=np.random.randint(1 << 30)),
+            _data((5, 64), seed=2, nonfinite=True), jnp.zeros((0, 16))):
+    amax = tensor_api.tensor_amax(x, implementation=implementation)
+    assert amax.shape == () and amax.dtype == jnp.float32
+    got = tensor_api.quantize_per_tensor(
+        x, 'e5m2', amax=amax, transpose=True, implementation=implementation)
+    want = tensor_api.quantize_per_tensor(
+        x, 'e5m2', transpose=True, implementation=implementation)
+    for a, b in zip(got, want):
+      _assert_same(a, b)
+  np.testing.assert_array_equal(
+      tensor_api.tensor_amax(jnp.array([[-3.0, 2.0]]),
+                             implementation=implementation), 3.0)
+
+
 def test_coat_jax_per_tensor_dispatches_to_the_kernel():
   x = _data((31, 77), seed=5)
   for fmt in ('e4m3', 'e5m2'):
