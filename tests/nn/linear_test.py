@@ -240,7 +240,8 @@ def test_block_fanout_saves_only_fp8_and_scales():
 @pytest.mark.parametrize('scaling', ['tensor', 'block'])
 def test_reuse_input_saves_x_and_gives_the_same_bits(scaling):
   """reuse_input saves x itself (no FP8 copy) and quantizes x^T again in
-  backward: the same outputs and gradients, bit for bit."""
+  backward: the same outputs and dgrads bit for bit, the same wgrads up to
+  float32 summation order."""
   k = jax.random.split(_key(), 4)
   x = jax.random.normal(k[0], (2, 40, 64), jnp.bfloat16) * 3
   x = x.at[1, 7, 9].set(200.0)  # an outlier sets the scale
@@ -256,11 +257,20 @@ def test_reuse_input_saves_x_and_gives_the_same_bits(scaling):
     dx, dws = vjp(tuple(dys))
     return ys, dx, dws
 
-  got, want = jax.jit(lambda: run(True))(), jax.jit(lambda: run(False))()
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  (ys, dx, dws), (ys0, dx0, dws0) = (jax.jit(lambda: run(True))(),
+                                      jax.jit(lambda: run(False))())
+  for a, b in zip(jax.tree.leaves((ys, dx)), jax.tree.leaves((ys0, dx0))):
     assert np.isfinite(np.asarray(a, np.float32)).all()
     np.testing.assert_array_equal(np.asarray(a, np.float32),
                                   np.asarray(b, np.float32))
+  # The wgrads multiply the same codes, but XLA:CPU may sum a float32 dot in
+  # another order in the other program (one ulp seen on CI); a code off by
+  # one E4M3 step would move them by ~1e-3 (that the codes are the same is
+  # quantize_test.py's test_tensor_amax_given_back_gives_the_same_codes).
+  for a, b in zip(dws, dws0):
+    assert np.isfinite(np.asarray(a)).all()
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                               atol=0)
   res = cnn.saved_residuals(
       lambda x, ws: cnn.fp8_dense(x, ws, scaling=scaling, reuse_input=True),
       x, ws)
