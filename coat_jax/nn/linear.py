@@ -1,8 +1,11 @@
-"""Linear layers: BF16, or FP8 GEMMs that save only the FP8 input.
+"""Linear layers: BF16, or FP8 GEMMs that save only FP8 codes.
 
 `fp8_dense` is a `jax.custom_vjp` whose forward quantizes the input and each
-weight per-tensor to E4M3 just in time and keeps only the FP8 input and its
-scale (the weights are params, alive anyway: backward requantizes them). The
+weight per-tensor to E4M3 just in time and keeps only FP8 codes and their
+scales: the input's, and each weight's (quantized once per step, 1 byte a
+param; requantizing in backward instead kept the float32 weight slices of
+unrolled layers alive until then, 4 bytes a param, in XLA's schedule;
+`coat_jax.models.remat` recomputes them under the layer scan). The
 backward quantizes each output gradient per-tensor to E5M2 and runs dgrad
 (dy . W) and wgrad (x^T . dy) as FP8 GEMMs. `fp8_matmul` needs K-major
 operands, so the input and the output gradients are quantized together with
@@ -25,7 +28,6 @@ serves W and W^T). Tokens are padded to a multiple of 128 there.
 """
 
 from collections.abc import Sequence
-import dataclasses
 import functools
 from types import MappingProxyType
 from typing import Any
@@ -40,7 +42,7 @@ from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
 from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
-from coat_jax.quant import quantize_per_tensor
+from coat_jax.nn.residuals import name_fp8_weights
 from pallas_kernels.quantize_blockwise import api as block_quant
 from pallas_kernels.quantize_per_tensor import api as tensor_quant
 
@@ -50,31 +52,39 @@ default_bias_init = nnx.initializers.zeros_init()
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fp8_dense_2d(x, kernels, implementation, gather_axes, reuse_input):
-  """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0."""
-  return _fp8_dense_fwd(x, kernels, implementation, gather_axes,
-                        reuse_input)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fp8_dense_2d(x, kernels, kernel_dtypes, implementation, gather_axes,
+                  reuse_input):
+  """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0.
+  kernel_dtypes: the kernels' dtypes (their gradients'), as backward keeps
+  their FP8 codes only."""
+  return _fp8_dense_fwd(x, kernels, kernel_dtypes, implementation,
+                        gather_axes, reuse_input)[0]
 
 
-def _quantize_weight(w, gather_axes, i):
-  """Per-tensor E4M3 weight i; with gather_axes the FSDP all-gather moves
-  the FP8 codes of the local shards, not the float32 weight."""
-  wq = quantize_per_tensor(w, 'e4m3')
-  if gather_axes is not None:
-    wq = dataclasses.replace(
-        wq, values=fsdp.gather_fp8_weight(wq.values, gather_axes[i]))
-  return wq
+def _gathered(values, gather_axes, i, transposed=False):
+  """Weight i's FP8 codes (K, N), or its transpose (N, K), all-gathered as
+  FP8 under an FSDP mesh when gather_axes names its axes."""
+  if gather_axes is None:
+    return values
+  axes = gather_axes[i]
+  if transposed and axes is not None:
+    axes = tuple(reversed(axes))
+  return fsdp.gather_fp8_weight(values, axes)
 
 
 def _quantize_with_transpose(x, dtype):
   """(values (M, N), scale, values.T (N, M)) in one pass: the Pallas kernel
-  on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA else."""
+  on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA else.
+  For the weights too: with XLA's quantizer XLA transposes the float32
+  weights before the cast (a float32 copy of the stacked layer weights
+  that lives through the forward scan: 1b, 0.1 GiB more temp)."""
   return tensor_quant.quantize_per_tensor(x, dtype, transpose=True,
                                           implementation=None)
 
 
-def _fp8_dense_fwd(x, kernels, implementation, gather_axes, reuse_input):
+def _fp8_dense_fwd(x, kernels, kernel_dtypes, implementation, gather_axes,
+                   reuse_input):
   if reuse_input:  # backward quantizes x^T again with this amax: same codes
     x_amax = tensor_quant.tensor_amax(x, implementation=None)
     x_values, x_scale, _ = tensor_quant.quantize_per_tensor(
@@ -84,19 +94,22 @@ def _fp8_dense_fwd(x, kernels, implementation, gather_axes, reuse_input):
     x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
     # x^T (K, M), the K-major operand of wgrad (as many bytes as x).
     saved = name_fp8_residuals((x_t, x_scale))
-  outs = []
+  outs, weights = [], []
   for i, w in enumerate(kernels):
-    wq = _quantize_weight(w, gather_axes, i)
+    # Quantized once per step: backward multiplies the same codes (local
+    # shards under FSDP, gathered again there).
+    w_values, w_scale, w_t = _quantize_with_transpose(w, 'e4m3')
     outs.append(fp8_matmul(
-        x_values, wq.values.T, x_scale, wq.scale, out_dtype=x.dtype,
-        implementation=implementation))
-  return tuple(outs), saved + (kernels,)
+        x_values, _gathered(w_t, gather_axes, i, transposed=True), x_scale,
+        w_scale, out_dtype=x.dtype, implementation=implementation))
+    weights.append((w_values, w_scale))
+  return tuple(outs), saved + (name_fp8_weights(tuple(weights)),)
 
 
-def _fp8_dense_bwd(implementation, gather_axes, reuse_input, residuals,
-                   grads):
-  *saved, kernels = residuals
-  saved, grads = after_grads(tuple(saved), grads)
+def _fp8_dense_bwd(kernel_dtypes, implementation, gather_axes, reuse_input,
+                   residuals, grads):
+  saved, grads = after_grads(residuals, grads)
+  *saved, weights = saved
   if reuse_input:
     x, x_amax = saved
     _, x_scale, x_t = tensor_quant.quantize_per_tensor(
@@ -104,17 +117,18 @@ def _fp8_dense_bwd(implementation, gather_axes, reuse_input, residuals,
   else:
     x_t, x_scale = saved
   dtype = grads[0].dtype
-  dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
+  dgrad_dtype = dtype if len(weights) == 1 else jnp.float32
   dx = None
   dkernels = []
-  for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
+  for i, ((w_values, w_scale), g, w_dtype) in enumerate(
+      zip(weights, grads, kernel_dtypes, strict=True)):
     g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
-    wq = _quantize_weight(w, gather_axes, i)
-    part = fp8_matmul(g_values, wq.values, g_scale, wq.scale,
-                      out_dtype=dgrad_dtype, implementation=implementation)
+    part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i), g_scale,
+                      w_scale, out_dtype=dgrad_dtype,
+                      implementation=implementation)
     dx = part if dx is None else dx + part
     dkernels.append(fp8_matmul(
-        x_t, g_t, x_scale, g_scale, out_dtype=w.dtype,
+        x_t, g_t, x_scale, g_scale, out_dtype=w_dtype,
         implementation=implementation))
   return dx.astype(dtype), tuple(dkernels)
 
@@ -125,15 +139,16 @@ _fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
 BLOCK_TOKENS = block_quant.TILE
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fp8_dense_block_2d(x, kernels, implementation, gather_axes, reuse_input):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fp8_dense_block_2d(x, kernels, kernel_dtypes, implementation,
+                        gather_axes, reuse_input):
   """Block-scaled `_fp8_dense_2d`: (M, K) x (K, N_i) -> (M, N_i), any M.
 
   The tokens are zero-padded to a multiple of 128 inside (zero rows add
   nothing to wgrad), so the padding leaves nothing else saved.
   """
-  return _fp8_dense_block_fwd(x, kernels, implementation, gather_axes,
-                              reuse_input)[0]
+  return _fp8_dense_block_fwd(x, kernels, kernel_dtypes, implementation,
+                              gather_axes, reuse_input)[0]
 
 
 def _pad_tokens(a):
@@ -150,19 +165,16 @@ def _tiles_with_transpose(x, dtype, transpose_block=(1, block_quant.TILE)):
       transpose_block=transpose_block, implementation=None)
 
 
-def _weight_blocks(w, gather_axes, i):
+def _weight_blocks(w):
   """W (K, N) in E4M3 128x128 blocks: (values (K, N), scales (K/128, N/128));
-  W^T's blocks are the transposed ones. With gather_axes the FSDP
-  all-gather moves the FP8 codes (as `_quantize_weight`)."""
+  W^T's blocks are the transposed ones."""
   values, scales, _, _ = block_quant.quantize_blockwise(
       w, (block_quant.TILE, block_quant.TILE), 'e4m3', implementation=None)
-  if gather_axes is not None:
-    values = fsdp.gather_fp8_weight(values, gather_axes[i])
   return values, scales
 
 
-def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes,
-                         reuse_input):
+def _fp8_dense_block_fwd(x, kernels, kernel_dtypes, implementation,
+                         gather_axes, reuse_input):
   rows = x.shape[0]
   if reuse_input:  # backward quantizes x^T again, to the same codes
     x_values, x_scales, _, _ = block_quant.quantize_blockwise(
@@ -173,43 +185,45 @@ def _fp8_dense_block_fwd(x, kernels, implementation, gather_axes,
         _pad_tokens(x), 'e4m3')
     # x^T (K, M) tiled along tokens with its scales (K, M / 128).
     saved = name_fp8_residuals((x_t, x_t_scales))
-  outs = []
+  outs, weights = [], []
   for i, w in enumerate(kernels):
-    w_values, w_scales = _weight_blocks(w, gather_axes, i)
+    w_values, w_scales = _weight_blocks(w)  # once per step, as 'tensor'
     outs.append(fp8_matmul(
-        x_values, w_values.T, x_scales, w_scales.T, out_dtype=x.dtype,
-        implementation=implementation)[:rows])
-  return tuple(outs), saved + (kernels,)
+        x_values, _gathered(w_values, gather_axes, i).T, x_scales,
+        w_scales.T, out_dtype=x.dtype, implementation=implementation)[:rows])
+    weights.append((w_values, w_scales))
+  return tuple(outs), saved + (name_fp8_weights(tuple(weights)),)
 
 
-def _fp8_dense_block_bwd(implementation, gather_axes, reuse_input, residuals,
-                         grads):
-  *saved, kernels = residuals
-  saved, grads = after_grads(tuple(saved), grads)
+def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
+                         reuse_input, residuals, grads):
+  saved, grads = after_grads(residuals, grads)
+  *saved, weights = saved
   if reuse_input:
     _, _, x_t, x_t_scales = _tiles_with_transpose(
         _pad_tokens(saved[0]), 'e4m3')
   else:
     x_t, x_t_scales = saved
   dtype = grads[0].dtype
-  dgrad_dtype = dtype if len(kernels) == 1 else jnp.float32
+  dgrad_dtype = dtype if len(weights) == 1 else jnp.float32
   dx = None
   dkernels = []
   rows = grads[0].shape[0]
-  for i, (w, g) in enumerate(zip(kernels, grads, strict=True)):
+  for i, ((w_values, w_scales), g, w_dtype) in enumerate(
+      zip(weights, grads, kernel_dtypes, strict=True)):
     # g^T, wgrad's B operand, in 128x128 blocks: the block-scaled GEMM runs
     # per-row B scales at 0.6x the speed of per-block ones (NOTES.md).
     g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
         _pad_tokens(g), 'e5m2', (block_quant.TILE, block_quant.TILE))
-    w_values, w_scales = _weight_blocks(w, gather_axes, i)
     # dgrad: K of the GEMM is N; b = W (K, N) with W's own blocks.
-    part = fp8_matmul(g_values, w_values, g_scales, w_scales,
+    part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i),
+                      g_scales, w_scales,
                       out_dtype=dgrad_dtype, implementation=implementation)
     dx = part if dx is None else dx + part
     # wgrad: K of the GEMM is the tokens; x^T tiled along them (a scale per
     # row per 128 tokens), g^T in 128x128 blocks.
     dkernels.append(fp8_matmul(
-        x_t, g_t, x_t_scales, g_t_scales, out_dtype=w.dtype,
+        x_t, g_t, x_t_scales, g_t_scales, out_dtype=w_dtype,
         implementation=implementation))
   return dx[:rows].astype(dtype), tuple(dkernels)
 
@@ -261,8 +275,9 @@ def fp8_dense(
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
     (M x K bytes), its float32 scale(s) (one, or M / 128 per 128 of K
-    with 'block'), and the kernels themselves; with reuse_input, x and the
-    kernels.
+    with 'block'), and each kernel's E4M3 codes (K x N_i bytes; local shards
+    under FSDP) with their scale(s) (one, or one per 128x128 block),
+    named `FP8_WEIGHT`; with reuse_input, x instead of its codes.
   """
   precision_lib.check_scaling(scaling)
   kernels = tuple(kernels)
@@ -279,15 +294,16 @@ def fp8_dense(
   if gather_axes is not None and len(gather_axes) != len(kernels):
     raise ValueError(f'gather_axes names {len(gather_axes)} kernels; there'
                      f' are {len(kernels)} (one tuple of axis names each).')
+  kernel_dtypes = tuple(jnp.dtype(w.dtype) for w in kernels)
   if scaling == 'block':  # pads the tokens itself
-    outs = _fp8_dense_block_2d(x2, kernels, implementation, gather_axes,
-                               reuse_input)
+    outs = _fp8_dense_block_2d(x2, kernels, kernel_dtypes, implementation,
+                               gather_axes, reuse_input)
     return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
   pad = -rows % precision_lib.FP8_MULTIPLE
   if pad:  # FP8 GEMMs tile M by 16; zero rows add nothing to wgrad.
     x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-  outs = _fp8_dense_2d(x2, kernels, implementation, gather_axes,
-                       reuse_input and not pad)
+  outs = _fp8_dense_2d(x2, kernels, kernel_dtypes, implementation,
+                       gather_axes, reuse_input and not pad)
   return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
 
 

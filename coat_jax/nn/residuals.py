@@ -12,11 +12,21 @@ import numpy as np
 # a remat policy that saves this name keeps exactly COAT's FP8 residuals
 # (and their small scales) and recomputes nothing else they need.
 FP8_RESIDUAL = 'fp8_residual'
+# The checkpoint_name of the weights' FP8 codes (and scales) that the FP8
+# linear layers quantize once in forward and keep for their dgrad. A remat
+# policy may recompute them from the weight instead (coat_jax.models.remat
+# does under the layer scan, where keeping them would stack a copy).
+FP8_WEIGHT = 'fp8_weight'
 
 
 def name_fp8_residuals(tree: Any) -> Any:
   """`tree` with each array leaf tagged FP8_RESIDUAL (an identity)."""
   return jax.tree.map(lambda x: checkpoint_name(x, FP8_RESIDUAL), tree)
+
+
+def name_fp8_weights(tree: Any) -> Any:
+  """`tree` with each array leaf tagged FP8_WEIGHT (an identity)."""
+  return jax.tree.map(lambda x: checkpoint_name(x, FP8_WEIGHT), tree)
 
 
 def after_grads(residuals: Any, grads: Any) -> tuple[Any, Any]:

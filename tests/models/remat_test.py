@@ -133,6 +133,35 @@ def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
   assert temp[True] <= temp[False]
 
 
+@pytest.mark.parametrize('policy', ['none', 'minimal', 'full'])
+@pytest.mark.parametrize('in_scan', [False, True])
+def test_fp8_weight_codes_kept_unrolled_and_recomputed_under_scan(
+    policy, in_scan):
+  """Unrolled layers keep each weight's FP8 codes for dgrad (else XLA keeps
+  the float32 weight slices alive until backward); scan bodies requantize
+  them from the weight ('none': kept in both; 'full': in neither)."""
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (2, 40, 64), jnp.bfloat16)
+  w1 = jax.random.normal(k[1], (64, 32)) * 0.1
+  w2 = jax.random.normal(k[2], (64, 48)) * 0.1
+  fn = lambda x, w1, w2: sum(
+      jnp.sum(y) for y in cnn.fp8_dense(x, [w1, w2]))
+  policy_fn = remat.jax_policy(policy, in_scan=in_scan)
+  if policy_fn is not None:
+    fn = jax.checkpoint(fn, policy=policy_fn)
+  saved = [(r.shape, str(r.dtype)) for r in cnn.saved_residuals(fn, x, w1, w2)]
+  codes = [((64, 32), 'float8_e4m3fn'), ((64, 48), 'float8_e4m3fn')]
+  keeps = policy == 'none' or (policy == 'minimal' and not in_scan)
+  assert all((c in saved) == keeps for c in codes), saved
+  x_t = ((64, 80), 'float8_e4m3fn')
+  assert (x_t in saved) == (policy != 'full'), saved
+  grads = jax.grad(fn, argnums=(1, 2))(x, w1, w2)
+  want = jax.grad(lambda *a: sum(jnp.sum(y) for y in cnn.fp8_dense(
+      a[0], [a[1], a[2]])), argnums=(1, 2))(x, w1, w2)
+  for g, g0 in zip(grads, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g0))
+
+
 def test_bad_policy_names():
   with pytest.raises(ValueError, match=r"remat='nope'.*'none', 'minimal'"):
     cm.LlamaConfig.preset('tiny', remat='nope')

@@ -95,17 +95,23 @@ def test_fanout_shares_the_input_and_sums_dgrad():
   for a, b in zip(g, g_ref):
     assert _rel(a, b) < 0.1
   res = cnn.saved_residuals(cnn.fp8_dense, x, [w1, w2])
-  assert [str(r.dtype) for r in res] == ['float8_e4m3fn', 'float32']
-  assert res[0].shape == (64, 32) and res[1].shape == ()  # x^T, saved once
+  # x^T saved once, then each weight's E4M3 codes (K, N) and scale.
+  assert [(r.shape, str(r.dtype)) for r in res] == [
+      ((64, 32), 'float8_e4m3fn'), ((), 'float32'),
+      ((64, 32), 'float8_e4m3fn'), ((), 'float32'),
+      ((64, 48), 'float8_e4m3fn'), ((), 'float32')]
 
 
-def test_saves_only_the_fp8_input_and_its_scale():
+def test_saves_only_fp8_codes_and_scales():
   x = jax.random.normal(_key(), (2, 40, 64), jnp.bfloat16)
   w = jnp.ones((64, 32))
   res = cnn.saved_residuals(_fp8, x, w)
-  # The input is saved transposed (K, M): the K-major operand of wgrad.
+  # The input is saved transposed (K, M): the K-major operand of wgrad; the
+  # weight as the E4M3 codes (K, N) that dgrad multiplies (quantized once:
+  # no float32 copy of the weight lives until backward).
   assert [(r.shape, str(r.dtype)) for r in res] == [
-      ((64, 80), 'float8_e4m3fn'), ((), 'float32')]
+      ((64, 80), 'float8_e4m3fn'), ((), 'float32'),
+      ((64, 32), 'float8_e4m3fn'), ((), 'float32')]
 
 
 def test_nan_input_gives_nan_output():
@@ -224,9 +230,12 @@ def test_block_fanout_saves_only_fp8_and_scales():
   w2 = jax.random.normal(k[2], (64, 48)) * 0.1
   fn = lambda x, ws: cnn.fp8_dense(x, ws, scaling='block')
   res = cnn.saved_residuals(fn, x, [w1, w2])
-  # x^T (K, M padded to 128) in E4M3 tiles along tokens, one scale per tile.
+  # x^T (K, M padded to 128) in E4M3 tiles along tokens, one scale per
+  # tile; each weight's codes with one scale per 128x128 block.
   assert [(r.shape, str(r.dtype)) for r in res] == [
-      ((64, 128), 'float8_e4m3fn'), ((64, 1), 'float32')]
+      ((64, 128), 'float8_e4m3fn'), ((64, 1), 'float32'),
+      ((64, 32), 'float8_e4m3fn'), ((1, 1), 'float32'),
+      ((64, 48), 'float8_e4m3fn'), ((1, 1), 'float32')]
   grads = jax.jit(jax.grad(lambda x, a, b: sum(
       jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in fn(x, [a, b])),
                            argnums=(0, 1, 2)))(x, w1, w2)
@@ -275,8 +284,11 @@ def test_reuse_input_saves_x_and_gives_the_same_bits(scaling):
       lambda x, ws: cnn.fp8_dense(x, ws, scaling=scaling, reuse_input=True),
       x, ws)
   amax = [((), 'float32')] if scaling == 'tensor' else []  # block: tiles'
+  w_scale = ((), 'float32') if scaling == 'tensor' else ((1, 1), 'float32')
   assert [(r.shape, str(r.dtype)) for r in res] == [
-      ((80, 64), 'bfloat16')] + amax
+      ((80, 64), 'bfloat16')] + amax + [
+          ((64, 32), 'float8_e4m3fn'), w_scale,
+          ((64, 48), 'float8_e4m3fn'), w_scale]
 
 
 def test_reuse_input_is_ignored_where_tokens_are_padded():
