@@ -94,7 +94,10 @@ def peak_buffers(dump_dir):
       m = _VALUE.match(line)
       if m and not any(k in kind for k in ('parameter', 'constant',
                                            'thread-local')):
-        values[m.group(1)] = (int(m.group(2)), m.group(3))
+        # Keyed as the live-range file names values: 'name{}' for an array,
+        # 'name{i}' for a tuple's element.
+        name = m.group(1) if '{' in m.group(1) else m.group(1) + '{}'
+        values[name] = (int(m.group(2)), m.group(3))
   if lr is None:
     return None, None, sorted(((s, sh, '?') for s, sh in values.values()),
                               reverse=True)
@@ -107,8 +110,9 @@ def peak_buffers(dump_dir):
         order.append(m.group(2))
         continue
       m = _RANGE.match(line)
-      if m and m.group(2) == '':
-        ranges[m.group(1)] = (int(m.group(3)), int(m.group(4)))
+      if m:
+        ranges[f'{m.group(1)}{{{m.group(2)}}}'] = (int(m.group(3)),
+                                                   int(m.group(4)))
   n = max(e for _, e in ranges.values()) + 2
   delta = [0] * n
   for name, (size, _) in values.items():
@@ -132,7 +136,7 @@ def peak_buffers(dump_dir):
       if source == '?':  # no coat_jax frame: the jax op, e.g. while/...
         source = '/'.join(m.group(2).split('/')[-2:])
       meta[m.group(1)] = f'{source} {phase}'
-  out = [(size, shape, meta.get(name, '?'))
+  out = [(size, shape, meta.get(name.partition('{')[0], '?'))
          for name, (size, shape) in values.items()
          if name in ranges and ranges[name][0] <= at <= ranges[name][1]]
   return peak, order[at] if at < len(order) else '?', sorted(out,
