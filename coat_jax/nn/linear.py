@@ -75,10 +75,7 @@ def _gathered(values, gather_axes, i, transposed=False):
 
 def _quantize_with_transpose(x, dtype):
   """(values (M, N), scale, values.T (N, M)) in one pass: the Pallas kernel
-  on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA else.
-  For the weights too: with XLA's quantizer XLA transposes the float32
-  weights before the cast (a float32 copy of the stacked layer weights
-  that lives through the forward scan: 1b, 0.1 GiB more temp)."""
+  on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA else."""
   return tensor_quant.quantize_per_tensor(x, dtype, transpose=True,
                                           implementation=None)
 
@@ -97,8 +94,12 @@ def _fp8_dense_fwd(x, kernels, kernel_dtypes, implementation, gather_axes,
   outs, weights = [], []
   for i, w in enumerate(kernels):
     # Quantized once per step: backward multiplies the same codes (local
-    # shards under FSDP, gathered again there).
-    w_values, w_scale, w_t = _quantize_with_transpose(w, 'e4m3')
+    # shards under FSDP, gathered again there). XLA's quantizer: the
+    # Pallas pass was slower on float32 weights in the 1b step (RESULTS.md
+    # "e2e-1b"), though it keeps XLA from making a transposed float32 copy
+    # of the stacked weights under the layer scan (remat full: 2.7 GiB).
+    w_values, w_scale, w_t = tensor_quant.quantize_per_tensor(
+        w, 'e4m3', transpose=True, implementation='xla')
     outs.append(fp8_matmul(
         x_values, _gathered(w_t, gather_axes, i, transposed=True), x_scale,
         w_scale, out_dtype=x.dtype, implementation=implementation))
