@@ -8,14 +8,22 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
+def _temps(stdout: str) -> dict[str, float]:
+  """{variant: compiled temp GiB} from the printed table."""
+  rows = [l.split('|') for l in stdout.splitlines() if l.startswith('| ')]
+  return {r[1].strip(): float(r[2]) for r in rows[1:]}
+
+
 def test_compiles_for_an_h100_or_says_what_it_needs():
   # A child process: use_target repoints jax.default_backend and jax.devices.
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
+  layers = 'model.scan_layers=false,model.num_layers=4'
   run = subprocess.run(
       [sys.executable, os.path.join(ROOT, 'benchmarks', 'gpu_compile.py'),
-       '--preset', 'tiny', '--batch', '2', '--seq', '64', '--variants',
-       'unrolled=coat:model.scan_layers=false,model.remat=minimal'],
-      capture_output=True, text=True, env=env, timeout=600, check=False)
+       '--preset', '125m', '--batch', '4', '--seq', '512', '--variants',
+       f'none=coat:{layers},model.remat=none',
+       f'minimal=coat:{layers},model.remat=minimal'],
+      capture_output=True, text=True, env=env, timeout=900, check=False)
   try:
     import jax_plugins.xla_cuda13  # noqa: F401, PLC0415
   except ImportError:
@@ -24,6 +32,9 @@ def test_compiles_for_an_h100_or_says_what_it_needs():
     return
   assert run.returncode == 0, run.stderr[-2000:]
   assert 'NVIDIA H100 80GB HBM3' in run.stdout
-  row = next(l for l in run.stdout.splitlines() if l.startswith('| unrolled'))
-  temp = float(row.split('|')[2])
-  assert 0 < temp < 1, row  # GiB: a tiny model's step
+  temps = _temps(run.stdout)
+  assert 0 < temps['none'] < 2, temps  # GiB
+  # Unrolled remat 'minimal' keeps the weights' FP8 codes, so no float32
+  # weight slice lives until backward: it keeps what 'none' keeps (before:
+  # 0.57 against 0.49 GiB here).
+  assert temps['minimal'] <= temps['none'] + 0.02, temps
