@@ -344,8 +344,8 @@ class CoatLinear(nnx.Module):
   Mirrors `nnx.Linear`: kernel (in_features, out_features), optional bias
   (out_features,), both `param_dtype` (float32 master weights); compute in
   `dtype` (bfloat16). With precision 'fp8_linear' or 'coat' the matmuls are
-  FP8 (E4M3 forward, E5M2 x E4M3 backward) and only the FP8 input is saved
-  for backward.
+  FP8 (E4M3 forward, E5M2 x E4M3 backward) and only the FP8 input and the
+  kernel's FP8 codes are saved for backward.
 
   Args:
     in_features: input size (a multiple of 16 in FP8 modes).
