@@ -54,10 +54,11 @@ class _Described:
     return getattr(self._device, name)
 
 
-def use_target(target: str) -> tuple[list, int]:
-  """Makes this process compile for `target` ('h100', 'h200'); returns its
-  one device (for `coat_jax.training.build(config, devices)`) and its
-  memory in bytes."""
+def use_target(target: str, num_devices: int = 1) -> tuple[list, int]:
+  """Makes this process compile for `num_devices` GPUs of kind `target`
+  ('h100', 'h200') on one host; returns their devices (for
+  `coat_jax.training.build(config, devices)`) and each one's memory in
+  bytes."""
   if target not in SPECS:
     raise ValueError(f'target={target!r}: one of {sorted(SPECS)}.')
   path = os.path.join(os.path.dirname(__file__), 'gpu_specs', SPECS[target])
@@ -65,7 +66,7 @@ def use_target(target: str) -> tuple[list, int]:
     spec = f.read()
   try:
     topology = topologies.get_topology_desc(
-        'cuda', 'cuda', topology='1x1x1', target_config=spec)
+        'cuda', 'cuda', topology=f'1x1x{num_devices}', target_config=spec)
   except Exception as e:  # noqa: BLE001 (any plugin failure)
     raise RuntimeError(
         "compiling for a GPU needs jaxlib's CUDA plugin: pip install"
@@ -113,6 +114,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--target', default='h100', choices=sorted(SPECS))
   parser.add_argument('--preset', default='1b')
+  parser.add_argument('--devices', type=int, default=1,
+                      help='GPUs of one host (train.py shards over them as'
+                      ' its mesh settings say)')
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--seq', type=int, default=2048)
   parser.add_argument('--variants', nargs='+', required=True,
@@ -124,11 +128,11 @@ def main(argv=None) -> int:
   parser.add_argument('--hlo', default=None,
                       help='keep XLA dumps under this directory')
   args = parser.parse_args(argv)
-  devices, device_bytes = use_target(args.target)
+  devices, device_bytes = use_target(args.target, args.devices)
   runs = e2e.runs_from_args('', args.variants)
-  print(f'{devices[0].device_kind} ({device_bytes / 2**30:.1f} GiB; compiled'
-        f' here, jax {jax.__version__}), {args.preset}, batch {args.batch} x'
-        f' {args.seq}')
+  print(f'{len(devices)} x {devices[0].device_kind} ({device_bytes / 2**30:.1f}'
+        f' GiB each; compiled here, jax {jax.__version__}), {args.preset},'
+        f' batch {args.batch} x {args.seq}; bytes per device')
   print('| variant | compiled temp GiB | params + opt. state GiB |'
         ' step total GiB | compile s |')
   print('|---|---|---|---|---|')
