@@ -124,6 +124,24 @@ def model_flops(cfg, batch: int, seq: int) -> float:
 # ---------------------------------------------------------------- the point
 
 
+def train_config(preset: str, seq: int, batch: int, mode: str,
+                 overrides: list[str]):
+  """train.py's Config of a point: the preset at (batch, seq), the mode's
+  precision and optimizer ('plain' takes the model dimensions only), then
+  `overrides`."""
+  from benchmarks import train_modes  # noqa: PLC0415
+  from coat_jax import training  # noqa: PLC0415
+  from coat_jax.models import LlamaConfig  # noqa: PLC0415
+
+  base = [f'model.preset={preset}', f'data.seq_len={seq}',
+          f'train.batch_size={batch}', 'train.checkpoint_every=0']
+  if seq > LlamaConfig.preset(preset).max_seq_len:
+    base.append(f'model.max_seq_len={seq}')
+  if mode != 'plain':
+    base += train_modes.MODES[mode]
+  return training.apply_overrides(training.Config(), base + overrides)
+
+
 def run_point(p: dict) -> dict:
   """Builds, compiles and times one point in this process; returns metrics."""
   import jax  # noqa: PLC0415 (see the note at the imports)
@@ -131,20 +149,12 @@ def run_point(p: dict) -> dict:
 
   from benchmarks import plain_llama  # noqa: PLC0415
   from benchmarks import step_profile  # noqa: PLC0415
-  from benchmarks import train_modes  # noqa: PLC0415
   from coat_jax import training  # noqa: PLC0415
-  from coat_jax.models import LlamaConfig  # noqa: PLC0415
   from coat_jax.training import sharding  # noqa: PLC0415
   from coat_jax.training import trainer  # noqa: PLC0415
 
-  overrides = [f'model.preset={p["preset"]}', f'data.seq_len={p["seq"]}',
-               f'train.batch_size={p["batch"]}', 'train.checkpoint_every=0']
-  if p['seq'] > LlamaConfig.preset(p['preset']).max_seq_len:
-    overrides.append(f'model.max_seq_len={p["seq"]}')
-  if p['mode'] != 'plain':
-    overrides += train_modes.MODES[p['mode']]
-  config = training.apply_overrides(training.Config(),
-                                    overrides + p['overrides'])
+  config = train_config(p['preset'], p['seq'], p['batch'], p['mode'],
+                        p['overrides'])
   cfg = trainer.llama_config(config.model)
   tokens = np.random.default_rng(0).integers(
       0, cfg.vocab_size, (p['batch'], p['seq'] + 1), dtype=np.int32)

@@ -27,7 +27,6 @@ need the GPU: `e2e.py`.
 """
 
 import argparse
-import collections
 import os
 import re
 import tempfile
@@ -39,16 +38,17 @@ import jax  # noqa: E402 (after JAX_PLATFORMS)
 from jax.experimental import topologies  # noqa: E402
 
 SPECS = {'h100': 'h100_sxm.txtpb', 'h200': 'h200_sxm.txtpb'}
-# What coat_jax asks of jax.devices()[0] that a topology's device lacks.
-_SM90 = dict(compute_capability='9.0', core_count=132)
 
 
 class _Described:
-  """A topology device with the attributes a real H100/H200 device has."""
+  """A topology device with what coat_jax asks of a real H100/H200 device
+  that a topology's device lacks."""
+
+  compute_capability = '9.0'
+  core_count = 132
 
   def __init__(self, device):
     self._device = device
-    self.__dict__.update(_SM90)
 
   def __getattr__(self, name):
     return getattr(self._device, name)
@@ -79,30 +79,16 @@ def use_target(target: str, num_devices: int = 1) -> tuple[list, int]:
   return devices, int(re.search(r'device_memory_size: (\d+)', spec)[1])
 
 
-def compile_variant(devices, preset, batch, seq, mode, overrides, dump_dir):
-  """(setup, compiled, compile seconds) of train.py's step for a variant."""
-  from benchmarks import train_modes  # noqa: PLC0415 (after use_target)
-  from coat_jax import training  # noqa: PLC0415
-  from coat_jax.models import LlamaConfig  # noqa: PLC0415
-  from coat_jax.training import sharding  # noqa: PLC0415
+def compile_variant(devices, config, dump_dir):
+  """(setup, compiled, compile seconds) of train.py's step for `config`,
+  with XLA's dumps in dump_dir."""
+  from coat_jax.training import memory  # noqa: PLC0415 (after use_target)
   from coat_jax.training import trainer  # noqa: PLC0415
 
-  base = [f'model.preset={preset}', f'data.seq_len={seq}',
-          f'train.batch_size={batch}', 'train.checkpoint_every=0']
-  if seq > LlamaConfig.preset(preset).max_seq_len:
-    base.append(f'model.max_seq_len={seq}')
-  config = training.apply_overrides(
-      training.Config(), base + train_modes.MODES[mode] + overrides)
   setup = trainer.build(config, devices)
-  tokens = jax.ShapeDtypeStruct((batch, seq), 'int32',
-                                sharding=sharding.batch_sharding(setup.mesh))
-  state = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      setup.abstract_state, setup.state_shardings)
-  options = {'xla_dump_to': dump_dir, 'xla_dump_hlo_as_text': True}
   start = time.perf_counter()
-  with jax.set_mesh(setup.mesh):
-    compiled = setup.lower_train_step(state, tokens, tokens).compile(options)
+  compiled = memory.compile_train_step(
+      setup, {'xla_dump_to': dump_dir, 'xla_dump_hlo_as_text': True})
   return setup, compiled, time.perf_counter() - start
 
 
@@ -143,8 +129,9 @@ def main(argv=None) -> int:
                        ' (benchmarks/e2e.py).')
     dump = (os.path.join(args.hlo, name) if args.hlo
             else tempfile.mkdtemp(prefix='gpu_compile_'))
-    setup, compiled, seconds = compile_variant(
-        devices, args.preset, args.batch, args.seq, mode, overrides, dump)
+    config = e2e.train_config(args.preset, args.seq, args.batch, mode,
+                              overrides)
+    setup, compiled, seconds = compile_variant(devices, config, dump)
     mem = memory.breakdown(setup, compiled, device_bytes)
     temp = compiled.memory_analysis().temp_size_in_bytes
     print(f'| {name} | {temp / 2**30:.2f} |'
@@ -152,12 +139,8 @@ def main(argv=None) -> int:
           f' {mem.total / 2**30:.2f} | {seconds:.0f} |', flush=True)
     if args.buffers:
       peak, at, buffers = step_buffers.peak_buffers(dump)
-      sizes = collections.Counter()
-      for size, shape, source in buffers:
-        sizes[(shape, source)] += size
-      details.append(f'\n{name}: {peak / 2**30:.2f} GiB live at {at}' + ''.join(
-          f'\n  {size / 2**20:9.1f} MiB  {shape:40s} {source}'
-          for (shape, source), size in sizes.most_common(args.buffers)))
+      details.append(f'\n{name}: {peak / 2**30:.2f} GiB live at {at}\n'
+                     + step_buffers.largest(buffers, args.buffers))
   print('\n'.join(details))
   return 0
 

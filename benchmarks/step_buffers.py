@@ -143,6 +143,16 @@ def peak_buffers(dump_dir):
                                                              reverse=True)
 
 
+def largest(buffers, top: int) -> str:
+  """The `top` largest (shape, source) groups of `peak_buffers`'s buffers,
+  one line each."""
+  sizes = collections.Counter()
+  for size, shape, source in buffers:
+    sizes[(shape, source)] += size
+  return '\n'.join(f'  {size / 2**20:10.1f} MiB  {shape:36s} {source}'
+                   for (shape, source), size in sizes.most_common(top))
+
+
 def compile_step(cfg, precision, batch, seq, dump_dir):
   return step_memory.compile_loss_step(
       cfg, precision, batch, seq,
@@ -189,13 +199,7 @@ def main():
           f' args {mem.argument_size_in_bytes / 2**30:.2f} GiB'
           + (f', live peak {peak / 2**30:.2f} GiB at {at}' if peak else
              ' (no live ranges dumped: largest buffers)'))
-    by_shape = collections.Counter()
-    by_source = collections.Counter()
-    for size, shape, source in buffers:
-      by_shape[shape] += size
-      by_source[(shape, source)] += size
-    for (shape, source), size in by_source.most_common(args.top):
-      print(f'  {size / 2**20:10.1f} MiB  {shape:36s} {source}')
+    print(largest(buffers, args.top))
 
 
 if __name__ == '__main__':

@@ -40,9 +40,9 @@ from coat_jax.nn import fsdp
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
+from coat_jax.nn.residuals import FP8_WEIGHT
 from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
-from coat_jax.nn.residuals import name_fp8_weights
 from pallas_kernels.quantize_blockwise import api as block_quant
 from pallas_kernels.quantize_per_tensor import api as tensor_quant
 
@@ -104,7 +104,7 @@ def _fp8_dense_fwd(x, kernels, kernel_dtypes, implementation, gather_axes,
         x_values, _gathered(w_t, gather_axes, i, transposed=True), x_scale,
         w_scale, out_dtype=x.dtype, implementation=implementation))
     weights.append((w_values, w_scale))
-  return tuple(outs), saved + (name_fp8_weights(tuple(weights)),)
+  return tuple(outs), saved + (name_fp8_residuals(tuple(weights), FP8_WEIGHT),)
 
 
 def _fp8_dense_bwd(kernel_dtypes, implementation, gather_axes, reuse_input,
@@ -193,7 +193,7 @@ def _fp8_dense_block_fwd(x, kernels, kernel_dtypes, implementation,
         x_values, _gathered(w_values, gather_axes, i).T, x_scales,
         w_scales.T, out_dtype=x.dtype, implementation=implementation)[:rows])
     weights.append((w_values, w_scales))
-  return tuple(outs), saved + (name_fp8_weights(tuple(weights)),)
+  return tuple(outs), saved + (name_fp8_residuals(tuple(weights), FP8_WEIGHT),)
 
 
 def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,

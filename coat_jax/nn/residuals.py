@@ -19,14 +19,10 @@ FP8_RESIDUAL = 'fp8_residual'
 FP8_WEIGHT = 'fp8_weight'
 
 
-def name_fp8_residuals(tree: Any) -> Any:
-  """`tree` with each array leaf tagged FP8_RESIDUAL (an identity)."""
-  return jax.tree.map(lambda x: checkpoint_name(x, FP8_RESIDUAL), tree)
-
-
-def name_fp8_weights(tree: Any) -> Any:
-  """`tree` with each array leaf tagged FP8_WEIGHT (an identity)."""
-  return jax.tree.map(lambda x: checkpoint_name(x, FP8_WEIGHT), tree)
+def name_fp8_residuals(tree: Any, name: str = FP8_RESIDUAL) -> Any:
+  """`tree` with each array leaf tagged `name` (FP8_RESIDUAL or FP8_WEIGHT;
+  an identity)."""
+  return jax.tree.map(lambda x: checkpoint_name(x, name), tree)
 
 
 def after_grads(residuals: Any, grads: Any) -> tuple[Any, Any]:

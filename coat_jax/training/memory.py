@@ -77,9 +77,10 @@ def _per_device_bytes(abstract, shardings) -> int:
   return sum(jax.tree.leaves(jax.tree.map(leaf_bytes, abstract, shardings)))
 
 
-def compile_train_step(setup: Any):
+def compile_train_step(setup: Any, compiler_options: dict | None = None):
   """The train step of `setup` (a `trainer.Setup`) compiled for abstract
-  state and batches: nothing is initialized or transferred."""
+  state and batches: nothing is initialized or transferred.
+  compiler_options: XLA's, as `jax.stages.Lowered.compile` takes them."""
   c = setup.config
   batch = jax.ShapeDtypeStruct(
       (c.train.batch_size, c.data.seq_len), jnp.int32,
@@ -88,7 +89,8 @@ def compile_train_step(setup: Any):
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       setup.abstract_state, setup.state_shardings)
   with jax.set_mesh(setup.mesh):
-    return setup.lower_train_step(state, batch, batch).compile()
+    return setup.lower_train_step(state, batch, batch).compile(
+        compiler_options)
 
 
 def breakdown(setup: Any, compiled,
