@@ -76,14 +76,15 @@ def _gathered(values, gather_axes, i, transposed=False):
 def _quantize_with_transpose(x, dtype):
   """(values (M, N), scale, values.T (N, M)) in one pass: the Pallas kernel
   on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA else."""
-  return tensor_quant.quantize_per_tensor(x, dtype, transpose=True,
+  amax = tensor_quant.tensor_amax(x, implementation='xla')
+  return tensor_quant.quantize_per_tensor(x, dtype, amax=amax, transpose=True,
                                           implementation=None)
 
 
 def _fp8_dense_fwd(x, kernels, kernel_dtypes, implementation, gather_axes,
                    reuse_input):
   if reuse_input:  # backward quantizes x^T again with this amax: same codes
-    x_amax = tensor_quant.tensor_amax(x, implementation=None)
+    x_amax = tensor_quant.tensor_amax(x, implementation='xla')
     x_values, x_scale, _ = tensor_quant.quantize_per_tensor(
         x, 'e4m3', amax=x_amax, implementation=None)
     saved = (x,) + name_fp8_residuals((x_amax,))

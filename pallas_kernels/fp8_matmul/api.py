@@ -121,11 +121,14 @@ def _check_scale(name: str, s) -> jax.Array:
 def _xla_matmul(a, b, scale, out_dtype):
   """XLA path: cuBLASLt FP8 precise accumulation on GPU, exact f32 on CPU.
 
-  The GEMM writes out_dtype itself and the scale multiplies its result: XLA
-  fuses no runtime scale into cuBLASLt, and a float32 result costs a
-  BF16-sized extra write and read per GEMM (1b train step on an H100: 270.2
-  -> 250.8 ms, benchmarks/RESULTS.md). With BF16 out the result is rounded
-  twice, to within 1 ulp instead of 1/2; the CPU path rounds the same way.
+  The result (a @ b.T) * scale is rounded once to out_dtype. On GPU the
+  scale multiplies the GEMM's result in out_dtype, the one form that XLA's
+  GEMM rewriter folds whole into cuBLASLt's float32 scale operand (the
+  scale's cast is looked through): one GEMM, its result written once. A
+  float32 multiply of a BF16 result folds nothing, and a float32 result
+  cast to BF16 leaves the cast: either is an extra pass over every BF16
+  result (15.6 ms of the 1b train step on an H200, RESULTS.md "e2e-1b").
+  `tests/kernels/fp8_matmul_test.py` checks the fold in the compiled HLO.
   """
   # Under Explicit mesh axes a sharded K (wgrad's tokens) is summed across
   # its shards; None elsewhere (see `_common.dot_out_sharding`).
@@ -135,13 +138,13 @@ def _xla_matmul(a, b, scale, out_dtype):
         a, b, _DIMS,
         precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
         preferred_element_type=out_dtype, out_sharding=out_sharding)
-  else:  # The FP8 preset is GPU-only; FP8 products are exact in float32.
-    acc = jax.lax.dot_general(
-        a.astype(jnp.float32), b.astype(jnp.float32), _DIMS,
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-        out_sharding=out_sharding).astype(out_dtype)
-  return (acc.astype(jnp.float32) * scale).astype(out_dtype)
+    return acc * scale.astype(out_dtype)
+  # The FP8 preset is GPU-only; FP8 products are exact in float32.
+  acc = jax.lax.dot_general(
+      a.astype(jnp.float32), b.astype(jnp.float32), _DIMS,
+      precision=jax.lax.Precision.HIGHEST,
+      preferred_element_type=jnp.float32, out_sharding=out_sharding)
+  return (acc * scale).astype(out_dtype)
 
 
 def _check_operands(a, b, a_scale, b_scale):
@@ -300,8 +303,8 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
       a_scale must be block scales too).
     out_dtype: jnp.bfloat16 (default) or jnp.float32.
     implementation: 'xla' (cuBLASLt FP8 with precise FP32 accumulation on
-      GPU, writing out_dtype, then scaled: a BF16 result is rounded twice;
-      an exact float32 dot elsewhere, rounded the same way), 'pallas' (the
+      GPU, the scale applied in its epilogue, the result rounded once; an
+      exact float32 dot elsewhere), 'pallas' (the
       Mosaic GPU wgmma kernel, Hopper only), 'triton' (a Triton-language
       kernel through jax_triton, Hopper only; `pip install jax-triton`) or
       None (the measured-fastest: xla). M, N and K must be multiples of 16.

@@ -85,17 +85,46 @@ def test_xla_path_matches_reference(a_dtype, b_dtype):
   np.testing.assert_array_equal(out, ref)
 
 
-def test_xla_bf16_output_is_rounded_then_scaled():
-  """BF16 out: the GEMM writes BF16 (no float32 result in memory on GPU)
-  and the scale multiplies it, so the result is rounded twice."""
+@pytest.mark.parametrize('out_dtype', [jnp.bfloat16, jnp.float32])
+def test_xla_result_is_scaled_then_rounded_once(out_dtype):
+  """(a @ b.T) * scale rounded once to out_dtype, on CPU and (cuBLASLt's
+  epilogue applying the scale) on GPU; a path that rounded the product to
+  BF16 before scaling, or rounded the scale, would differ."""
   ka, kb = jax.random.split(jax.random.key(4))
-  a = (jax.random.normal(ka, (32, 64)) * 3).astype(E4M3)
-  b = (jax.random.normal(kb, (16, 64)) * 3).astype(E4M3)
-  out = fp8_matmul(a, b, 0.37, 1.9, implementation='xla')
-  acc = f64_ref(a, b).astype(np.float32)  # exact here: small K
-  acc = np.asarray(jnp.asarray(acc).astype(jnp.bfloat16), np.float32)
-  want = jnp.asarray(acc * (np.float32(0.37) * np.float32(1.9)))
-  np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
+  a = small_ints(ka, (64, 128), E4M3)  # f32 sums exact in any order
+  b = small_ints(kb, (48, 128), E4M3)
+  sa, sb = np.float32(0.37), np.float32(1.9)
+  out = jax.jit(lambda a, b: fp8_matmul(
+      a, b, sa, sb, out_dtype=out_dtype, implementation='xla'))(a, b)
+  acc = f64_ref(a, b).astype(np.float32)
+  want = jnp.asarray(acc * (sa * sb)).astype(out_dtype)
+  np.testing.assert_array_equal(out, want)
+  if out_dtype == jnp.bfloat16:
+    twice = jnp.asarray(acc).astype(out_dtype).astype(jnp.float32) * (sa * sb)
+    assert np.any(np.asarray(twice.astype(out_dtype) != want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != 'gpu', reason='needs a GPU')
+@pytest.mark.parametrize('out_dtype', [jnp.bfloat16, jnp.float32])
+def test_xla_gpu_folds_the_scale_into_cublaslt(out_dtype):
+  """One cuBLASLt FP8 GEMM with the scale as its operand, nothing after it
+  (an extra pass over the result cost 15.6 ms of the 1b step)."""
+  # Shapes that XLA does not split along K (small ones it may).
+  a = jax.ShapeDtypeStruct((2048, 512), E4M3)
+  b = jax.ShapeDtypeStruct((1024, 512), E4M3)
+  s = jax.ShapeDtypeStruct((), jnp.float32)
+  text = jax.jit(lambda a, b, sa, sb: fp8_matmul(
+      a, b, sa, sb, out_dtype=out_dtype, implementation='xla')).lower(
+          a, b, s, s).compile().as_text()
+  entry = text[text.index('ENTRY'):]
+  gemms = [l for l in entry.splitlines() if 'custom-call(' in l]
+  assert len(gemms) == 1 and '__cublas$lt$matmul$f8' in gemms[0], gemms
+  operands = gemms[0].split('custom-call(')[1].split(')')[0].split(', ')
+  assert 'constant' not in operands[2], operands  # a_scale: sa * sb
+  big = [l for l in entry.splitlines()
+         if ' fusion(' in l and '[2048,1024]' in l.split('=')[1].split(' ')[1]]
+  assert not big, big
 
 
 def test_scales_not_one():
