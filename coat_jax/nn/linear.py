@@ -119,20 +119,21 @@ def _fp8_dense_bwd(kernel_dtypes, implementation, gather_axes, reuse_input,
   else:
     x_t, x_scale = saved
   dtype = grads[0].dtype
-  dgrad_dtype = dtype if len(weights) == 1 else jnp.float32
   dx = None
   dkernels = []
   for i, ((w_values, w_scale), g, w_dtype) in enumerate(
       zip(weights, grads, kernel_dtypes, strict=True)):
     g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
     part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i), g_scale,
-                      w_scale, out_dtype=dgrad_dtype,
-                      implementation=implementation)
+                      w_scale, out_dtype=dtype, implementation=implementation)
+    # Summed in dtype, as a BF16 model's autodiff sums them: XLA adds most
+    # into the next GEMM's C operand (float32 parts cost 2.8 ms of the 1b
+    # step in casts and sums, RESULTS.md "e2e-1b").
     dx = part if dx is None else dx + part
     dkernels.append(fp8_matmul(
         x_t, g_t, x_scale, g_scale, out_dtype=w_dtype,
         implementation=implementation))
-  return dx.astype(dtype), tuple(dkernels)
+  return dx, tuple(dkernels)
 
 
 _fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
@@ -207,7 +208,6 @@ def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
   else:
     x_t, x_t_scales = saved
   dtype = grads[0].dtype
-  dgrad_dtype = dtype if len(weights) == 1 else jnp.float32
   dx = None
   dkernels = []
   rows = grads[0].shape[0]
@@ -220,14 +220,14 @@ def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
     # dgrad: K of the GEMM is N; b = W (K, N) with W's own blocks.
     part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i),
                       g_scales, w_scales,
-                      out_dtype=dgrad_dtype, implementation=implementation)
-    dx = part if dx is None else dx + part
+                      out_dtype=dtype, implementation=implementation)
+    dx = part if dx is None else dx + part  # in dtype, as 'tensor' does
     # wgrad: K of the GEMM is the tokens; x^T tiled along them (a scale per
     # row per 128 tokens), g^T in 128x128 blocks.
     dkernels.append(fp8_matmul(
         x_t, g_t, x_t_scales, g_t_scales, out_dtype=w_dtype,
         implementation=implementation))
-  return dx[:rows].astype(dtype), tuple(dkernels)
+  return dx[:rows], tuple(dkernels)
 
 
 _fp8_dense_block_2d.defvjp(_fp8_dense_block_fwd, _fp8_dense_block_bwd)
