@@ -47,8 +47,8 @@ def pallas_available() -> bool:
 # implementation=None picks XLA (cuBLASLt FP8, precise accumulation) even on
 # Hopper: measured in benchmarks/RESULTS.md (H100, fifth run), the Pallas
 # kernel runs at 0.97x of bare cuBLASLt precise per GEMM (geometric mean,
-# Llama-2-7B shapes) and faster than this XLA path with its extra scale
-# pass, but a Llama-2-7B layer in coat mode took 26.3 ms with it against
+# Llama-2-7B shapes) and faster than this XLA path with the extra scale
+# pass it had then (the scale now rides in cuBLASLt's epilogue), but a Llama-2-7B layer in coat mode took 26.3 ms with it against
 # 25.8 ms with XLA, and the 1b train step 243.6 against 244.3 ms: no gain
 # beyond the noise. With overlapped tiles (eleventh run: 1.005x cuBLASLt
 # precise per GEMM) the layer still took 25.9 against 25.0 ms and the step
@@ -126,9 +126,10 @@ def _xla_matmul(a, b, scale, out_dtype):
   GEMM rewriter folds whole into cuBLASLt's float32 scale operand (the
   scale's cast is looked through): one GEMM, its result written once. A
   float32 multiply of a BF16 result folds nothing, and a float32 result
-  cast to BF16 leaves the cast: either is an extra pass over every BF16
-  result (15.6 ms of the 1b train step on an H200, RESULTS.md "e2e-1b").
-  `tests/kernels/fp8_matmul_test.py` checks the fold in the compiled HLO.
+  cast to BF16 leaves the cast: a pass over the result wherever no consumer
+  fusion takes the multiply in (in the 1b train step, within the noise of
+  the step time). `tests/kernels/fp8_matmul_test.py` checks the fold in the
+  compiled HLO.
   """
   # Under Explicit mesh axes a sharded K (wgrad's tokens) is summed across
   # its shards; None elsewhere (see `_common.dot_out_sharding`).

@@ -69,8 +69,8 @@ def test_microbatches_accumulate_the_same_gradient(tiny_config, tmp_path):
   assert summary['step'] == 3
   # Step 1 sees the same params: the mean of the two halves' losses is the
   # whole batch's loss, up to the FP8 scales taken per microbatch
-  # (per-tensor amax of each half): each FP8 GEMM rounds its BF16 result
-  # before the scale multiplies it, so another scale moves it by <= 1 ulp.
+  # (per-tensor amax of each half): another scale moves each FP8 GEMM's
+  # BF16 result by about 1 ulp.
   # Later steps differ by those and float reordering.
   np.testing.assert_allclose(losses_two[0], losses_one[0], rtol=2e-4)
   np.testing.assert_allclose(losses_two, losses_one, rtol=2e-2)
