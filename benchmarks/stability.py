@@ -16,7 +16,9 @@ over the precision overrides of benchmarks/train_modes.py:
         coat_block=coat:model.scaling=block
 
 --parallel N runs N processes at once on the one GPU, each with
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/N. Runs finished in --out-dir are kept
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/N and, unless --no-deterministic,
+XLA_FLAGS=--xla_gpu_deterministic_ops=true (a run then repeats to the bit;
+without it two runs of one seed ended up to 1.5% apart). Runs finished in --out-dir are kept
 (rerun the same command in a later call to go on); unfinished ones restart.
 The report (markdown table, stability.md, and the curves, stability.png)
 covers every run dir found: --report-only DIR combines several calls.
@@ -40,6 +42,7 @@ from benchmarks import train_modes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META = 'stability_run.json'
+DETERMINISTIC = '--xla_gpu_deterministic_ops=true'
 # Targets of issue 21: |coat - bf16| / bf16 of the mean final val loss.
 TARGETS = {1e-3: 0.005, 3e-3: 0.005, 1e-2: 0.015}
 
@@ -115,7 +118,22 @@ def run_meta(args, name, mode, overrides, lr, seed) -> dict:
   return dict(variant=name, mode=mode, overrides=overrides, lr=lr, seed=seed,
               steps=args.steps, seq=args.seq, batch=args.batch,
               config=args.config, set=args.set, eval_every=args.eval_every,
-              eval_batches=args.eval_batches)
+              eval_batches=args.eval_batches,
+              deterministic=args.deterministic)
+
+
+def run_env(parallel: int, deterministic: bool) -> dict:
+  """The environment of each train.py run: its share of the GPU memory and,
+  when deterministic, XLA's deterministic GPU kernels (scatter-add,
+  attention's backward): without them two runs of one seed ended up to
+  1.5% apart on an H200, more than the differences measured here."""
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(
+      round(0.9 / parallel, 4)), PYTHONPATH=os.pathsep.join(
+          filter(None, [ROOT, os.environ.get('PYTHONPATH')])))
+  if deterministic:
+    env['XLA_FLAGS'] = ' '.join(
+        filter(None, [env.get('XLA_FLAGS'), DETERMINISTIC]))
+  return env
 
 
 def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
@@ -138,12 +156,11 @@ def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
                   flush=True)
             continue
         todo.append((meta, run_dir))
-  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(
-      round(0.9 / args.parallel, 4)), PYTHONPATH=os.pathsep.join(
-          filter(None, [ROOT, os.environ.get('PYTHONPATH')])))
+  env = run_env(args.parallel, args.deterministic)
   fraction = env['XLA_PYTHON_CLIENT_MEM_FRACTION']
   print(f'{len(todo)} runs to go, {args.parallel} at a time,'
-        f' XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} each', flush=True)
+        f' XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} each'
+        + (f', {DETERMINISTIC}' if args.deterministic else ''), flush=True)
   running = []
   walls = []
   start_all = time.perf_counter()
@@ -323,6 +340,11 @@ def main(argv=None) -> int:
                       metavar='SECTION.FIELD=VALUE',
                       help='overrides for every run, before the variant\'s')
   parser.add_argument('--parallel', type=int, default=4)
+  parser.add_argument('--deterministic', default=True,
+                      action=argparse.BooleanOptionalAction,
+                      help='XLA\'s deterministic GPU kernels, so that a run'
+                      ' repeats to the bit (default; --no-deterministic'
+                      ' for the faster, non-repeatable ones)')
   parser.add_argument('--budget-s', type=float, default=0,
                       help='start no run that might end after this many'
                       ' seconds (0: no limit)')

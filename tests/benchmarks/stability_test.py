@@ -84,7 +84,8 @@ def test_tiny_runs_in_parallel_then_kept(tmp_path, capsys):
           '--set', 'model.num_layers=1']
   assert stability.main(argv) == 0
   text = capsys.readouterr().out
-  assert 'XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 each' in text
+  assert ('XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 each,'
+          ' --xla_gpu_deterministic_ops=true') in text
   assert 'broken_lr0.001_seed0: FAILED (exit 2' in text
   ok = stability.read_run(os.path.join(out, 'bf16_lr0.001_seed0'))
   assert stability.is_finished(ok) and ok['final_val'] > 0
@@ -98,6 +99,19 @@ def test_tiny_runs_in_parallel_then_kept(tmp_path, capsys):
   assert '1 runs to go' in text  # the failed one again
   with pytest.raises(SystemExit):
     stability.main(argv[:-4] + ['--only', 'nope'])
+
+
+def test_runs_use_deterministic_kernels_unless_told(monkeypatch):
+  monkeypatch.setenv('XLA_FLAGS', '--xla_dump_to=/tmp/x')
+  env = stability.run_env(4, deterministic=True)
+  assert env['XLA_FLAGS'] == ('--xla_dump_to=/tmp/x'
+                              ' --xla_gpu_deterministic_ops=true')
+  assert env['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.225'
+  assert stability.run_env(4, deterministic=False)['XLA_FLAGS'] == (
+      '--xla_dump_to=/tmp/x')
+  monkeypatch.delenv('XLA_FLAGS')
+  assert stability.run_env(1, deterministic=True)['XLA_FLAGS'] == (
+      '--xla_gpu_deterministic_ops=true')
 
 
 def test_budget_stops_starting_runs(monkeypatch, tmp_path, capsys):
