@@ -13,7 +13,8 @@ their FP8 transposes, in one pass (`pallas_kernels.quantize_per_tensor`),
 and the input is saved transposed.
 
 Several kernels may share one input (Q/K/V, gate/up): the input is then
-quantized and saved once.
+quantized and saved once, and the parts of its gradient are summed in its
+dtype (BF16), as a BF16 model's autodiff sums them.
 An input that its producer keeps for backward anyway (flash attention's
 output, the out projection's input) is reused (`reuse_input`): the layer
 saves it as it is and quantizes its transpose again in backward.
@@ -74,8 +75,11 @@ def _gathered(values, gather_axes, i, transposed=False):
 
 
 def _quantize_with_transpose(x, dtype):
-  """(values (M, N), scale, values.T (N, M)) in one pass: the Pallas kernel
-  on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA else."""
+  """(values (M, N), scale, values.T (N, M)): max |x| by an XLA reduction,
+  which XLA fuses into the fusion that produces x where it can (RMSNorm,
+  SwiGLU: x is not read again for it), then one pass over x, the Pallas
+  kernel on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA
+  else."""
   amax = tensor_quant.tensor_amax(x, implementation='xla')
   return tensor_quant.quantize_per_tensor(x, dtype, amax=amax, transpose=True,
                                           implementation=None)
@@ -127,8 +131,8 @@ def _fp8_dense_bwd(kernel_dtypes, implementation, gather_axes, reuse_input,
     part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i), g_scale,
                       w_scale, out_dtype=dtype, implementation=implementation)
     # Summed in dtype, as a BF16 model's autodiff sums them: XLA adds most
-    # into the next GEMM's C operand (float32 parts cost 2.8 ms of the 1b
-    # step in casts and sums, RESULTS.md "e2e-1b").
+    # into the next GEMM's C operand (float32 parts and their casts: 1b
+    # step 188.2 / 189.7 -> 185.9 ms on an H200, RESULTS.md "e2e-1b").
     dx = part if dx is None else dx + part
     dkernels.append(fp8_matmul(
         x_t, g_t, x_scale, g_scale, out_dtype=w_dtype,

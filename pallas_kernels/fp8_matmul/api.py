@@ -48,8 +48,9 @@ def pallas_available() -> bool:
 # Hopper: measured in benchmarks/RESULTS.md (H100, fifth run), the Pallas
 # kernel runs at 0.97x of bare cuBLASLt precise per GEMM (geometric mean,
 # Llama-2-7B shapes) and faster than this XLA path with the extra scale
-# pass it had then (the scale now rides in cuBLASLt's epilogue), but a Llama-2-7B layer in coat mode took 26.3 ms with it against
-# 25.8 ms with XLA, and the 1b train step 243.6 against 244.3 ms: no gain
+# pass it had then (the scale now rides in cuBLASLt's epilogue), but a
+# Llama-2-7B layer in coat mode took 26.3 ms with it against 25.8 ms with
+# XLA, and the 1b train step 243.6 against 244.3 ms: no gain
 # beyond the noise. With overlapped tiles (eleventh run: 1.005x cuBLASLt
 # precise per GEMM) the layer still took 25.9 against 25.0 ms and the step
 # 238.3 against 239.9 ms. Opt in with 'pallas'.
