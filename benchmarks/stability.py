@@ -18,8 +18,9 @@ over the precision overrides of benchmarks/train_modes.py:
 --parallel N runs N processes at once on the one GPU, each with
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/N and, unless --no-deterministic,
 XLA_FLAGS=--xla_gpu_deterministic_ops=true (a run then repeats to the bit;
-without it two runs of one seed ended up to 1.5% apart). Runs finished in --out-dir are kept
-(rerun the same command in a later call to go on); unfinished ones restart.
+without it two runs of one seed ended up to 1.5% apart). Runs finished in
+--out-dir are kept (rerun the same command in a later call to go on);
+unfinished ones restart.
 The report (markdown table, stability.md, and the curves, stability.png)
 covers every run dir found: --report-only DIR combines several calls.
 
