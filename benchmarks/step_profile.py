@@ -28,6 +28,8 @@ from coat_jax.training import trainer
 
 # Kernel-name patterns -> op class, first match wins.
 CLASSES = (
+    # The Pallas SwiGLU and RMSNorm kernels are named *_fp8_*: not GEMMs.
+    ('other', r'^(swiglu|rms_norm)_fp8'),
     # cuBLASLt's nvjet kernels spell FP8 operands q (E4M3) and r (E5M2).
     ('fp8 gemm', r'f8|fp8|e4m3|e5m2|nvjet_sm90_[qr][qr]'),
     ('gemm', r'gemm|cublas|cutlass|sm90_xmma|nvjet|matmul|dot'),
@@ -64,6 +66,13 @@ def step_times(step, state, batch, steps):
 
 def kernel_totals(trace_dir, steps):
   """{kernel name: ms per step} over the GPU planes of a trace."""
+  return collections.Counter(
+      {name: ms for name, (ms, _) in kernel_stats(trace_dir, steps).items()})
+
+
+def kernel_stats(trace_dir, steps):
+  """{kernel name: (ms per step, launches per step)} over the GPU planes of
+  a trace."""
   path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'),
                     recursive=True)
   data = jax.profiler.ProfileData.from_file(path)
@@ -74,11 +83,39 @@ def kernel_totals(trace_dir, steps):
   if not streams:
     print('no GPU stream lines in the trace; lines:',
           sorted({line.name for line in lines}))
-  totals = collections.Counter()
+  totals, launches = collections.Counter(), collections.Counter()
   for line in streams:
     for event in line.events:
       totals[event.name] += event.duration_ns / 1e6 / steps
-  return totals
+      launches[event.name] += 1 / steps
+  return {name: (ms, launches[name]) for name, ms in totals.items()}
+
+
+def kernel_gaps(trace_dir, steps, top=8):
+  """(idle ms per step, [(ms per step, kernel after the gap)] for the `top`
+  kernels that most often wait on an idle GPU): time between one kernel's
+  end and the next one's start on the busiest stream, gaps between the
+  traced steps excluded."""
+  path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'),
+                    recursive=True)
+  data = jax.profiler.ProfileData.from_file(path)
+  streams = [line for plane in data.planes
+             if plane.name.startswith('/device:GPU') for line in plane.lines
+             if line.name.startswith('Stream')]
+  if not streams:
+    return 0.0, []
+  busiest = max(streams, key=lambda line: sum(e.duration_ns
+                                              for e in line.events))
+  events = sorted(busiest.events, key=lambda e: e.start_ns)
+  gaps = [(b.start_ns - (a.start_ns + a.duration_ns), b.name)
+          for a, b in zip(events, events[1:])]
+  # The largest `steps - 1` gaps separate the traced steps.
+  step_breaks = sorted(g for g, _ in gaps)[-(steps - 1):] if steps > 1 else []
+  by_next = collections.Counter()
+  for gap, name in gaps:
+    if gap > 0 and (not step_breaks or gap < step_breaks[0]):
+      by_next[name] += gap / 1e6 / steps
+  return sum(by_next.values()), by_next.most_common(top)
 
 
 def profile(config, steps):
@@ -103,8 +140,12 @@ def profile(config, steps):
       jax.block_until_ready(metrics)
   # Peak memory is per process: train_modes.py measures it, one mode each.
   temp = compiled.memory_analysis().temp_size_in_bytes
+  stats = kernel_stats(trace_dir, 3)
   return dict(seconds=seconds, compile_s=compile_s, temp=temp,
-              kernels=kernel_totals(trace_dir, 3), hlo=compiled.as_text())
+              gaps=kernel_gaps(trace_dir, 3),
+              kernels=collections.Counter(
+                  {name: ms for name, (ms, _) in stats.items()}),
+              stats=stats, hlo=compiled.as_text())
 
 
 def main():
@@ -129,7 +170,9 @@ def main():
       with open(os.path.join(args.dump, f'{mode}.hlo.txt'), 'w') as f:
         f.write(r['hlo'])
       with open(os.path.join(args.dump, f'{mode}.kernels.json'), 'w') as f:
-        json.dump(dict(r['kernels'].most_common()), f, indent=0)
+        # {kernel name: [ms per step, launches per step]}, slowest first.
+        json.dump(dict(sorted(r['stats'].items(), key=lambda kv: -kv[1][0])),
+                  f, indent=0)
     tokens = config.train.batch_size * config.data.seq_len
     print(f'\n== {mode}: {r["seconds"] * 1e3:.1f} ms/step,'
           f' {tokens / r["seconds"]:,.0f} tokens/s, compile+init'
@@ -137,9 +180,17 @@ def main():
           f' {r["temp"] / 2**30:.2f} GiB', flush=True)
     for name, ms in r['kernels'].most_common(args.top):
       print(f'  {ms:8.2f} ms  {classify(name):28s} {name[:90]}')
+    small = [(ms, n) for ms, n in r['stats'].values() if ms / n < 0.005]
+    print(f'  kernels under 5 us each: {sum(n for _, n in small):.0f}'
+          f' launches, {sum(ms for ms, _ in small):.2f} ms per step')
+    idle, waits = r['gaps']
+    print(f'  idle between kernels on the busiest stream: {idle:.2f} ms per'
+          ' step; most before:')
+    for name, ms in waits:
+      print(f'    {ms:7.3f} ms  {name[:90]}')
   print(f'\n{jax.devices()[0].device_kind}, jax {jax.__version__},'
         f' {args.config}, GPU kernel ms per step by op class')
-  labels = [label for label, _ in CLASSES] + ['other']
+  labels = [label for label, _ in CLASSES if label != 'other'] + ['other']
   print('| op class | ' + ' | '.join(results) + ' |')
   print('|---|' + '---|' * len(results))
   for label in labels + ['all kernels', 'step (wall)']:

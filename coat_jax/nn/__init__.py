@@ -13,6 +13,7 @@ from coat_jax.nn.linear import dense
 from coat_jax.nn.linear import fanout
 from coat_jax.nn.linear import fp8_dense
 from coat_jax.nn.mlp import CoatMLP
+from coat_jax.nn.mlp import fp8_gate_up_swiglu
 from coat_jax.nn.mlp import fp8_swiglu
 from coat_jax.nn.mlp import swiglu
 from coat_jax.nn.norm import CoatRMSNorm
@@ -27,6 +28,7 @@ from coat_jax.nn.residuals import saved_residuals
 __all__ = [
     'CoatLinear', 'CoatMLP', 'CoatRMSNorm', 'LOGICAL_AXIS_RULES',
     'PRECISIONS', 'activation_residuals', 'bf16_dense', 'dense', 'fanout',
-    'fp8_dense', 'fp8_matmul', 'fp8_matmul_groups', 'fp8_rms_norm',
+    'fp8_dense', 'fp8_gate_up_swiglu', 'fp8_matmul', 'fp8_matmul_groups',
+    'fp8_rms_norm',
     'fp8_swiglu', 'nbytes', 'rms_norm', 'saved_residuals', 'swiglu',
 ]

@@ -53,14 +53,15 @@ default_bias_init = nnx.initializers.zeros_init()
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _fp8_dense_2d(x, kernels, kernel_dtypes, implementation, gather_axes,
-                  reuse_input):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fp8_dense_2d(x, kernels, x_amax, kernel_dtypes, implementation,
+                  gather_axes, reuse_input):
   """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0.
-  kernel_dtypes: the kernels' dtypes (their gradients'), as backward keeps
-  their FP8 codes only."""
-  return _fp8_dense_fwd(x, kernels, kernel_dtypes, implementation,
-                        gather_axes, reuse_input)[0]
+  x_amax: max |x| (float32 scalar) or None to compute it. kernel_dtypes:
+  the kernels' dtypes (their gradients'), as backward keeps their FP8 codes
+  only."""
+  return fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
+                          gather_axes, reuse_input)[0]
 
 
 def _gathered(values, gather_axes, i, transposed=False):
@@ -74,26 +75,36 @@ def _gathered(values, gather_axes, i, transposed=False):
   return fsdp.gather_fp8_weight(values, axes)
 
 
-def _quantize_with_transpose(x, dtype):
-  """(values (M, N), scale, values.T (N, M)): max |x| by an XLA reduction,
-  which XLA fuses into the fusion that produces x where it can (RMSNorm,
-  SwiGLU: x is not read again for it), then one pass over x, the Pallas
-  kernel on one Hopper GPU (faster in the 1b train step, RESULTS.md), XLA
-  else."""
-  amax = tensor_quant.tensor_amax(x, implementation='xla')
+def _amax(x, amax=None):
+  """max |x| as given, else by an XLA reduction, which XLA fuses into the
+  fusion that produces x where it can (RMSNorm: x is not read again for
+  it)."""
+  if amax is not None:
+    return amax
+  return tensor_quant.tensor_amax(x, implementation='xla')
+
+
+def _quantize_with_transpose(x, dtype, amax=None):
+  """(values (M, N), scale, values.T (N, M)): max |x| (`_amax`), then one
+  pass over x, the Pallas kernel on one Hopper GPU (faster in the 1b train
+  step, RESULTS.md), XLA else."""
+  amax = _amax(x, amax)
   return tensor_quant.quantize_per_tensor(x, dtype, amax=amax, transpose=True,
                                           implementation=None)
 
 
-def _fp8_dense_fwd(x, kernels, kernel_dtypes, implementation, gather_axes,
-                   reuse_input):
+def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
+                     gather_axes, reuse_input):
+  """The forward rule of `fp8_dense` on (M, K) rows, M % 16 == 0: (outputs,
+  residuals), for custom_vjps that run more around the GEMMs (the MLP's
+  gate/up projections with SwiGLU, `coat_jax.nn.mlp`)."""
   if reuse_input:  # backward quantizes x^T again with this amax: same codes
-    x_amax = tensor_quant.tensor_amax(x, implementation='xla')
+    x_amax = _amax(x, x_amax)
     x_values, x_scale, _ = tensor_quant.quantize_per_tensor(
         x, 'e4m3', amax=x_amax, implementation=None)
     saved = (x,) + name_fp8_residuals((x_amax,))
   else:
-    x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3')
+    x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3', x_amax)
     # x^T (K, M), the K-major operand of wgrad (as many bytes as x).
     saved = name_fp8_residuals((x_t, x_scale))
   outs, weights = [], []
@@ -112,8 +123,12 @@ def _fp8_dense_fwd(x, kernels, kernel_dtypes, implementation, gather_axes,
   return tuple(outs), saved + (name_fp8_residuals(tuple(weights), FP8_WEIGHT),)
 
 
-def _fp8_dense_bwd(kernel_dtypes, implementation, gather_axes, reuse_input,
-                   residuals, grads):
+def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
+                     reuse_input, residuals, grads, grad_amaxes=None):
+  """The backward rule of `fp8_dense` on rows: (dx, dkernels, None).
+  grad_amaxes: max |g| of each output gradient if their producer computed
+  them (a Pallas kernel, which XLA cannot fuse the reduction into), else
+  None."""
   saved, grads = after_grads(residuals, grads)
   *saved, weights = saved
   if reuse_input:
@@ -127,7 +142,8 @@ def _fp8_dense_bwd(kernel_dtypes, implementation, gather_axes, reuse_input,
   dkernels = []
   for i, ((w_values, w_scale), g, w_dtype) in enumerate(
       zip(weights, grads, kernel_dtypes, strict=True)):
-    g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2')
+    g_values, g_scale, g_t = _quantize_with_transpose(
+        g, 'e5m2', None if grad_amaxes is None else grad_amaxes[i])
     part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i), g_scale,
                       w_scale, out_dtype=dtype, implementation=implementation)
     # Summed in dtype, as a BF16 model's autodiff sums them: XLA adds most
@@ -137,10 +153,10 @@ def _fp8_dense_bwd(kernel_dtypes, implementation, gather_axes, reuse_input,
     dkernels.append(fp8_matmul(
         x_t, g_t, x_scale, g_scale, out_dtype=w_dtype,
         implementation=implementation))
-  return dx, tuple(dkernels)
+  return dx, tuple(dkernels), None  # x_amax: a statistic, no gradient
 
 
-_fp8_dense_2d.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
+_fp8_dense_2d.defvjp(fp8_dense_2d_fwd, fp8_dense_2d_bwd)
 
 # Tokens are padded to whole 1x128 tiles of the wgrad operands.
 BLOCK_TOKENS = block_quant.TILE
@@ -250,11 +266,34 @@ def _check_dense_args(x, kernels) -> None:
           f' out_features) with in_features = x.shape[-1] = {x.shape[-1]}.')
 
 
+def check_fp8_dense_args(x, kernels, gather_axes=None) -> None:
+  """Raises unless `fp8_dense` can take x, kernels and gather_axes."""
+  _check_dense_args(x, kernels)
+  if jnp.dtype(x.dtype) not in _OUT_DTYPES:
+    raise TypeError(f'x has dtype {x.dtype}; FP8 layers take bfloat16 or'
+                    ' float32 inputs.')
+  for name, size in [('x.shape[-1]', x.shape[-1])] + [
+      (f'kernels[{i}].shape[1]', w.shape[1]) for i, w in enumerate(kernels)]:
+    precision_lib.check_fp8_size(name, size, 'fp8_linear')
+  if gather_axes is not None and len(gather_axes) != len(kernels):
+    raise ValueError(f'gather_axes names {len(gather_axes)} kernels; there'
+                     f' are {len(kernels)} (one tuple of axis names each).')
+
+
+def fp8_rows(x: jax.Array) -> tuple[jax.Array, int]:
+  """(x as (M', K) rows zero-padded to a multiple of 16, M): FP8 GEMMs
+  tile M by 16; zero rows add nothing to wgrad."""
+  x2 = x.reshape(-1, x.shape[-1])
+  rows = x2.shape[0]
+  pad = -rows % precision_lib.FP8_MULTIPLE
+  return (jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2), rows
+
+
 def fp8_dense(
     x: jax.Array, kernels: Sequence[jax.Array], *,
     implementation: str | None = None, scaling: str = 'tensor',
     gather_axes: tuple[tuple[str | None, ...] | None, ...] | None = None,
-    reuse_input: bool = False,
+    reuse_input: bool = False, x_amax: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
 
@@ -277,6 +316,9 @@ def fp8_dense(
       anyway (flash attention keeps its output): then the layer saves no
       activation bytes of its own.
       Ignored where the tokens are padded (scaling 'tensor', M % 16 != 0).
+    x_amax: max |x| (float32 scalar, no gradient) when x's producer already
+      computed it (a Pallas kernel, into which XLA cannot fuse the
+      reduction), else None; scaling 'tensor' only ('block' ignores it).
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
@@ -287,28 +329,22 @@ def fp8_dense(
   """
   precision_lib.check_scaling(scaling)
   kernels = tuple(kernels)
-  _check_dense_args(x, kernels)
-  if jnp.dtype(x.dtype) not in _OUT_DTYPES:
-    raise TypeError(f'x has dtype {x.dtype}; FP8 layers take bfloat16 or'
-                    ' float32 inputs.')
-  for name, size in [('x.shape[-1]', x.shape[-1])] + [
-      (f'kernels[{i}].shape[1]', w.shape[1]) for i, w in enumerate(kernels)]:
-    precision_lib.check_fp8_size(name, size, 'fp8_linear')
+  check_fp8_dense_args(x, kernels, gather_axes)
   lead = x.shape[:-1]
-  x2 = x.reshape(-1, x.shape[-1])
-  rows = x2.shape[0]
-  if gather_axes is not None and len(gather_axes) != len(kernels):
-    raise ValueError(f'gather_axes names {len(gather_axes)} kernels; there'
-                     f' are {len(kernels)} (one tuple of axis names each).')
   kernel_dtypes = tuple(jnp.dtype(w.dtype) for w in kernels)
   if scaling == 'block':  # pads the tokens itself
-    outs = _fp8_dense_block_2d(x2, kernels, kernel_dtypes, implementation,
-                               gather_axes, reuse_input)
+    outs = _fp8_dense_block_2d(x.reshape(-1, x.shape[-1]), kernels,
+                               kernel_dtypes, implementation, gather_axes,
+                               reuse_input)
     return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
-  pad = -rows % precision_lib.FP8_MULTIPLE
-  if pad:  # FP8 GEMMs tile M by 16; zero rows add nothing to wgrad.
-    x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-  outs = _fp8_dense_2d(x2, kernels, kernel_dtypes, implementation,
+  x2, rows = fp8_rows(x)
+  pad = x2.shape[0] - rows
+  if x_amax is not None:
+    x_amax = jax.lax.stop_gradient(jnp.asarray(x_amax, jnp.float32))
+    if x_amax.shape != ():
+      raise ValueError(f'x_amax has shape {x_amax.shape}; it must be the'
+                       ' scalar max |x| (or None).')
+  outs = _fp8_dense_2d(x2, kernels, x_amax, kernel_dtypes, implementation,
                        gather_axes, reuse_input and not pad)
   return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
 
@@ -327,19 +363,19 @@ def dense(
     x: jax.Array, kernels: Sequence[jax.Array], *, precision: str,
     dtype: Any = jnp.bfloat16, implementation: str | None = None,
     scaling: str = 'tensor', gather_axes: Any = None,
-    reuse_input: bool = False,
+    reuse_input: bool = False, x_amax: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """`x @ w` for each kernel, with the implementation of `precision`.
 
   'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense` with
-  `scaling`, `gather_axes` and `reuse_input` (BF16 matmuls ignore them). x
-  is cast to `dtype` first; outputs are in `dtype`.
+  `scaling`, `gather_axes`, `reuse_input` and `x_amax` (BF16 matmuls ignore
+  them). x is cast to `dtype` first; outputs are in `dtype`.
   """
   x = x.astype(dtype)
   if precision_lib.uses_fp8_matmuls(precision):
     return fp8_dense(x, kernels, implementation=implementation,
                      scaling=scaling, gather_axes=gather_axes,
-                     reuse_input=reuse_input)
+                     reuse_input=reuse_input, x_amax=x_amax)
   return bf16_dense(x, kernels, dtype=dtype)
 
 
@@ -419,23 +455,26 @@ class CoatLinear(nnx.Module):
     self.fp8_weight_gather = fp8_weight_gather
     self.kernel_axes = kernel_axes
 
-  def __call__(self, x: jax.Array, *, reuse_input: bool = False) -> jax.Array:
+  def __call__(self, x: jax.Array, *, reuse_input: bool = False,
+               x_amax: jax.Array | None = None) -> jax.Array:
     """(..., in_features) -> (..., out_features) in `dtype`.
 
     reuse_input: x is kept for backward by its producer anyway (see
-    `fp8_dense`): save it instead of an FP8 copy.
+    `fp8_dense`): save it instead of an FP8 copy. x_amax: max |x| if its
+    producer computed it (see `fp8_dense`).
     """
-    return fanout(x, [self], reuse_input=reuse_input)[0]
+    return fanout(x, [self], reuse_input=reuse_input, x_amax=x_amax)[0]
 
 
 def fanout(
-    x: jax.Array, layers: Sequence[CoatLinear], *, reuse_input: bool = False
+    x: jax.Array, layers: Sequence[CoatLinear], *, reuse_input: bool = False,
+    x_amax: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
   The layers must share precision, dtype, implementation, scaling and
   fp8_weight_gather (Q/K/V or gate/up projections). Returns one output per
-  layer. reuse_input: see `fp8_dense`.
+  layer. reuse_input, x_amax: see `fp8_dense`.
   """
   first = layers[0]
 
@@ -450,7 +489,7 @@ def fanout(
   outs = dense(x, [fsdp.gather_weight(layer.kernel[...]) for layer in layers],
                precision=first.precision, dtype=first.dtype,
                implementation=first.implementation, scaling=first.scaling,
-               reuse_input=reuse_input,
+               reuse_input=reuse_input, x_amax=x_amax,
                gather_axes=(tuple(layer.kernel_axes for layer in layers)
                             if first.fp8_weight_gather else None))
   return tuple(

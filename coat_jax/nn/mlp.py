@@ -4,8 +4,16 @@
 E4M3 1x16 groups (power-of-two E8M0 scales) and recomputes silu in backward,
 so no silu output is kept. The product feeds the down projection, whose FP8
 linear layer saves it per-tensor as E4M3.
+
+In 'coat' mode with per-tensor scaling `CoatMLP` runs gate/up and SwiGLU as
+one custom_vjp (`fp8_gate_up_swiglu`): SwiGLU's one-pass kernels return
+max |h|, max |dgate| and max |dup| with their outputs, and these become the
+per-tensor scales of the GEMMs that read those tensors, so no amax pass
+reads them again (1b coat step on an H200: 185.4 -> 180.8 ms with the Pallas
+kernels, RESULTS.md "e2e-1b").
 """
 
+import functools
 from typing import Any
 
 from flax import nnx
@@ -13,6 +21,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from coat_jax.nn import fsdp
 from coat_jax.nn import linear
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.residuals import after_grads
@@ -35,25 +44,94 @@ def _fp8_swiglu(gate, up):
 
 
 def _fp8_swiglu_fwd(gate, up):
-  # XLA by default (faster in the step than the one-pass Pallas kernel,
-  # RESULTS.md "kernels-fused"); its amax |h| (out[3]) is unused.
-  h, gate_q, up_q, _ = swiglu_fp8_api.swiglu_fp8_fwd(
+  """((h, amax |h|), residuals): the amax, a statistic without gradient,
+  is the down projection's per-tensor scale."""
+  h, gate_q, up_q, h_amax = swiglu_fp8_api.swiglu_fp8_fwd(
       gate, up, group_size=precision_lib.GROUP_SIZE,
       scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)
   gate_q, up_q = (QuantizedArray(*q, None, precision_lib.GROUP_SIZE)
                   for q in (gate_q, up_q))
-  return h, name_fp8_residuals((gate_q, up_q))
+  return (h, h_amax), name_fp8_residuals((gate_q, up_q))
 
 
-def _fp8_swiglu_bwd(residuals, dh):
+def _swiglu_grads(residuals, grads):
+  """(dgate, dup, amax |dgate|, amax |dup|) from `_fp8_swiglu_fwd`'s
+  residuals and the gradients of (h, amax |h|) (the amax has none)."""
+  dh, _ = grads
   (gate_q, up_q), dh = after_grads(residuals, dh)
-  dgate, dup, _, _ = swiglu_fp8_api.swiglu_fp8_bwd(
+  return swiglu_fp8_api.swiglu_fp8_bwd(
       (gate_q.values, gate_q.scale), (up_q.values, up_q.scale), dh,
       group_size=gate_q.group_size)
-  return dgate, dup
+
+
+def _fp8_swiglu_bwd(residuals, grads):
+  return _swiglu_grads(residuals, grads)[:2]
 
 
 _fp8_swiglu.defvjp(_fp8_swiglu_fwd, _fp8_swiglu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fp8_gate_up_swiglu_2d(x, w_gate, w_up, kernel_dtypes, implementation,
+                           gather_axes):
+  return _fp8_gate_up_swiglu_fwd(x, w_gate, w_up, kernel_dtypes,
+                                 implementation, gather_axes)[0]
+
+
+def _fp8_gate_up_swiglu_fwd(x, w_gate, w_up, kernel_dtypes, implementation,
+                            gather_axes):
+  (gate, up), dense_residuals = linear.fp8_dense_2d_fwd(
+      x, (w_gate, w_up), None, kernel_dtypes, implementation, gather_axes,
+      False)
+  out, swiglu_residuals = _fp8_swiglu_fwd(gate, up)
+  return out, (dense_residuals, swiglu_residuals)
+
+
+def _fp8_gate_up_swiglu_bwd(kernel_dtypes, implementation, gather_axes,
+                            residuals, grads):
+  dense_residuals, swiglu_residuals = residuals
+  dgate, dup, amax_dgate, amax_dup = _swiglu_grads(swiglu_residuals, grads)
+  dx, (dw_gate, dw_up), _ = linear.fp8_dense_2d_bwd(
+      kernel_dtypes, implementation, gather_axes, False, dense_residuals,
+      (dgate, dup), grad_amaxes=(amax_dgate, amax_dup))
+  return dx, dw_gate, dw_up
+
+
+_fp8_gate_up_swiglu_2d.defvjp(_fp8_gate_up_swiglu_fwd,
+                              _fp8_gate_up_swiglu_bwd)
+
+
+def fp8_gate_up_swiglu(
+    x: jax.Array, w_gate: jax.Array, w_up: jax.Array, *,
+    implementation: str | None = None,
+    gather_axes: tuple[Any, Any] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """silu(x @ w_gate) * (x @ w_up) as `fp8_dense` (per-tensor scaling) and
+  `fp8_swiglu` in one custom_vjp, saving what they save.
+
+  One rule for both lets SwiGLU's backward hand max |dgate| and max |dup|,
+  computed in its own pass, to the quantizers of those gradients (a
+  cotangent cannot carry them across two custom_vjps): no amax pass over
+  them.
+
+  Args:
+    x: (..., H) bfloat16 (or float32); H a multiple of 16.
+    w_gate, w_up: (H, I) kernels (float32 params); I a multiple of 16.
+    implementation: `fp8_matmul`'s implementation.
+    gather_axes: None, or the two kernels' logical axis names (FP8
+      all-gathers under FSDP, see `fp8_dense`).
+
+  Returns:
+    (h (..., I) in x.dtype, max |h| (float32 scalar, no gradient): the down
+    projection's `x_amax`).
+  """
+  kernels = (w_gate, w_up)
+  linear.check_fp8_dense_args(x, kernels, gather_axes)
+  x2, rows = linear.fp8_rows(x)
+  h, h_amax = _fp8_gate_up_swiglu_2d(
+      x2, w_gate, w_up, tuple(jnp.dtype(w.dtype) for w in kernels),
+      implementation, gather_axes)
+  return h[:rows].reshape(x.shape[:-1] + (h.shape[1],)), h_amax
 
 
 def fp8_swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -67,6 +145,13 @@ def fp8_swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     (..., I) in gate.dtype, computed in float32 from the exact inputs.
     Saved: 2 x (I bytes + I/16 one-byte scales) per row; silu is recomputed.
   """
+  return fp8_swiglu_with_amax(gate, up)[0]
+
+
+def fp8_swiglu_with_amax(gate: jax.Array,
+                         up: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(`fp8_swiglu(gate, up)`, its max |.| as a float32 scalar without
+  gradient, from the same pass: the down projection's `x_amax`)."""
   if gate.shape != up.shape or gate.dtype != up.dtype:
     raise ValueError(f'gate {gate.shape} {gate.dtype} and up {up.shape}'
                      f' {up.dtype} must have the same shape and dtype.')
@@ -129,10 +214,19 @@ class CoatMLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """(..., in_features) -> (..., in_features) in `dtype`."""
+    if (precision_lib.uses_fp8_activations(self.precision)
+        and self.gate_proj.scaling == 'tensor'):
+      h, h_amax = fp8_gate_up_swiglu(
+          x.astype(self.gate_proj.dtype),
+          *(fsdp.gather_weight(p.kernel[...])
+            for p in (self.gate_proj, self.up_proj)),
+          implementation=self.gate_proj.implementation,
+          gather_axes=((self.gate_proj.kernel_axes, self.up_proj.kernel_axes)
+                       if self.gate_proj.fp8_weight_gather else None))
+      return self.down_proj(h, x_amax=h_amax)
     gate, up = checkpoint_name(
         linear.fanout(x, [self.gate_proj, self.up_proj]), GATE_UP)
     if precision_lib.uses_fp8_activations(self.precision):
-      h = fp8_swiglu(gate, up)
-    else:
-      h = swiglu(gate, up)
-    return self.down_proj(h)
+      h, h_amax = fp8_swiglu_with_amax(gate, up)
+      return self.down_proj(h, x_amax=h_amax)
+    return self.down_proj(swiglu(gate, up))

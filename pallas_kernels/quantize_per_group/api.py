@@ -27,10 +27,9 @@ def _check(group_size: Any, scale_dtype: Any,
   return int(group_size), sd
 
 
-def _pallas_ok(group_size: int, scale_dtype: Any) -> bool:
+def _pallas_ok(group_size: int) -> bool:
   # Tiles hold whole groups and Triton tiles are powers of two.
-  return (group_size >= 2 and group_size & (group_size - 1) == 0
-          and scale_dtype in reference.PALLAS_SCALE_DTYPES)
+  return group_size >= 2 and group_size & (group_size - 1) == 0
 
 
 def quantize_per_group(
@@ -45,7 +44,7 @@ def quantize_per_group(
   Args:
     x: floating array of any shape.
     group_size: positive int (the Pallas path needs a power of two and falls
-      back to XLA otherwise, as for E8M0 scales).
+      back to XLA otherwise).
     dtype: 'e4m3' or 'e5m2'.
     expansion: use dynamic range expansion.
     scale_dtype: float32, bfloat16 or float8_e8m0fnu (power-of-two scales,
@@ -64,7 +63,7 @@ def quantize_per_group(
                     ' array (cast with x.astype(jnp.float32)).')
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
-  if impl == 'pallas' and _pallas_ok(group_size, sd):
+  if impl == 'pallas' and _pallas_ok(group_size):
     from pallas_kernels.quantize_per_group import pallas_triton
     return pallas_triton.quantize_per_group(
         x, group_size, dt, expansion, scale_dtype=sd, interpret=interpret)
@@ -101,7 +100,7 @@ def dequantize_per_group(
         f' values {values.shape} and group_size={group_size}.')
   impl, interpret = _common.resolve_implementation(
       implementation, DEQUANTIZE_PALLAS_IS_DEFAULT)
-  if impl == 'pallas' and _pallas_ok(group_size, scale.dtype):
+  if impl == 'pallas' and _pallas_ok(group_size):
     from pallas_kernels.quantize_per_group import pallas_triton
     return pallas_triton.dequantize_per_group(
         values, scale, exponent, group_size, out_dtype=np.dtype(out_dtype),

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import _common
 from pallas_kernels._common import pl
@@ -36,13 +37,43 @@ def _spec(block, ncb):
   return pl.BlockSpec(block, lambda p: (p // ncb, p % ncb))
 
 
+def kernel_scale_dtype(scale_dtype: Any) -> np.dtype:
+  """The dtype in which a kernel stores `scale_dtype` scales: E8M0 as its
+  bits (`reference.E8M0_BITS`), others as they are."""
+  sd = np.dtype(scale_dtype)
+  return reference.E8M0_BITS if sd == reference.E8M0 else sd
+
+
+def to_kernel_scales(scales: jax.Array) -> jax.Array:
+  """Scales as a kernel reads them (E8M0 bitcast to its bytes)."""
+  if scales.dtype == reference.E8M0:
+    return jax.lax.bitcast_convert_type(scales, reference.E8M0_BITS)
+  return scales
+
+
+def from_kernel_scales(scales: jax.Array, scale_dtype: Any) -> jax.Array:
+  """A kernel's stored scales as `scale_dtype` (E8M0 bytes bitcast back)."""
+  if np.dtype(scale_dtype) == reference.E8M0:
+    return jax.lax.bitcast_convert_type(scales, reference.E8M0)
+  return scales
+
+
+def _load_scale(ref, gmask):
+  """A tile of scales, 1 where `gmask` is False: float32, or E8M0 bytes
+  (decoded by `reference.scale_as_float32` in the group math)."""
+  if ref.dtype != reference.E8M0_BITS:
+    return _common.masked_load(ref, gmask, 1.0)
+  bits = pltriton.load(ref, mask=gmask)
+  return bits if gmask is None else jnp.where(gmask, bits, np.uint8(127))
+
+
 def load_groups(q_refs, mask, gmask, group_size, dtype, ops):
   """A tile's FP8 codes and metadata from (values, scale[, exponent]) refs,
   decoded: float32 (br, bc). Lanes outside `mask` hold codes 0. With
   `ops.log2` set and expansion, `log2_math`'s formulation."""
   br, bc = q_refs[0].shape
   codes = _common.masked_load(q_refs[0], mask, 0.0)
-  scale = _common.masked_load(q_refs[1], gmask, 1.0)
+  scale = _load_scale(q_refs[1], gmask)
   exponent = (_common.masked_load(q_refs[2], gmask, 1.0)
               if len(q_refs) == 3 else None)
   groups = codes.reshape(br, bc // group_size, group_size)
@@ -97,9 +128,10 @@ def quantize_per_group(
   br, bc = block_sizes.resolve(rows, cols, group_size)
   ng_total = pl.cdiv(cols, group_size)
   grid, ncb = _grid(rows, cols, br, bc)
+  ksd = kernel_scale_dtype(scale_dtype)
   out_shape = [
       jax.ShapeDtypeStruct((rows, cols), dt),
-      jax.ShapeDtypeStruct((rows, ng_total), scale_dtype),
+      jax.ShapeDtypeStruct((rows, ng_total), ksd),
   ]
   out_specs = [_spec((br, bc), ncb), _spec((br, bc // group_size), ncb)]
   if expansion:
@@ -107,7 +139,7 @@ def quantize_per_group(
     out_specs.append(_spec((br, bc // group_size), ncb))
   kernel = functools.partial(
       _quantize_kernel, rows=rows, cols=cols, ncb=ncb, group_size=group_size,
-      dtype=dt, expansion=expansion, scale_dtype=scale_dtype,
+      dtype=dt, expansion=expansion, scale_dtype=ksd,
       ops=_common.kernel_ops(interpret))
   outs = pl.pallas_call(
       kernel, grid=grid, in_specs=[_spec((br, bc), ncb)],
@@ -117,7 +149,7 @@ def quantize_per_group(
   )(x.reshape(rows, cols))
   sshape = reference.scale_shape(shape, group_size)
   values = outs[0].reshape(shape)
-  scale = outs[1].reshape(sshape)
+  scale = from_kernel_scales(outs[1].reshape(sshape), scale_dtype)
   exponent = outs[2].reshape(sshape) if expansion else None
   return values, scale, exponent
 
@@ -145,7 +177,8 @@ def dequantize_per_group(
   ng_total = pl.cdiv(cols, group_size)
   grid, ncb = _grid(rows, cols, br, bc)
   expansion = exponent is not None
-  args = [values.reshape(rows, cols), scale.reshape(rows, ng_total)]
+  args = [values.reshape(rows, cols),
+          to_kernel_scales(scale.reshape(rows, ng_total))]
   in_specs = [_spec((br, bc), ncb), _spec((br, bc // group_size), ncb)]
   if expansion:
     args.append(exponent.reshape(rows, ng_total))

@@ -45,8 +45,9 @@ LN_2 = np.float32(np.log(2.0))
 # Power-of-two scales in one byte (MX's E8M0): exact rescaling.
 E8M0 = np.dtype(jnp.float8_e8m0fnu)
 SCALE_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), E8M0)
-# The Pallas kernels store float32 or bfloat16 scales; E8M0 ones run in XLA.
-PALLAS_SCALE_DTYPES = SCALE_DTYPES[:2]
+# Inside the Pallas kernels E8M0 scales travel as their bits (Triton has
+# no E8M0 type): the biased exponent byte, 0xFF for NaN.
+E8M0_BITS = np.dtype(np.uint8)
 
 
 def check_scale_dtype(scale_dtype: Any, expansion: bool = False) -> np.dtype:
@@ -90,21 +91,42 @@ def pow2_ceil(s: jax.Array) -> jax.Array:
       (bits + np.int32(0x7FFFFF)) & np.int32(0x7F800000), jnp.float32)
 
 
+def e8m0_bits(scale: jax.Array) -> jax.Array:
+  """The E8M0 byte (uint8) of a float32 power of two >= 2^-126, or of NaN
+  (0xFF): the biased exponent, as `scale.astype(float8_e8m0fnu)` stores it."""
+  bits = lax.bitcast_convert_type(scale, jnp.int32)
+  return (lax.shift_right_logical(bits, 23) & 0xFF).astype(jnp.uint8)
+
+
+def scale_as_float32(scale: jax.Array) -> jax.Array:
+  """A stored scale as float32; `E8M0_BITS` bytes decoded as E8M0 (0xFF is
+  NaN, 0x00 is 2^-127)."""
+  if scale.dtype != E8M0_BITS:
+    return scale.astype(jnp.float32)
+  b = scale.astype(jnp.int32)
+  f = lax.bitcast_convert_type(lax.shift_left(b, 23), jnp.float32)
+  f = jnp.where(b == 0, np.float32(2.0**-127), f)
+  return jnp.where(b == 0xFF, np.float32(np.nan), f)
+
+
 def store_scale(
     scale: jax.Array, amax: jax.Array, scale_dtype: Any
 ) -> jax.Array:
   """Rounds the scale to its storage dtype (E8M0: up to a power of two, so
-  no code passes fp8_max); 1 where it is 0, NaN if amax is not finite.
+  no code passes fp8_max; `E8M0_BITS`: the same, as bytes); 1 where it is
+  0, NaN if amax is not finite.
 
   Exact additions instead of `jnp.where(..., 1.0, ...)`, whose broadcast
   constants jax would hoist out of a scanned layer (see `_common.clamp`):
   scale >= 0 gains 1 only where it is 0, and amax - amax is 0 for a finite
   amax and NaN otherwise.
   """
-  if np.dtype(scale_dtype) == E8M0:  # no zero in E8M0: add in float32
+  if np.dtype(scale_dtype) in (E8M0, E8M0_BITS):  # no zero: add in float32
     scale = pow2_ceil(scale)
     scale = scale + (scale == 0).astype(scale.dtype)
-    return (scale + (amax - amax)).astype(E8M0)
+    scale = scale + (amax - amax)
+    return (scale.astype(E8M0) if np.dtype(scale_dtype) == E8M0
+            else e8m0_bits(scale))
   scale = scale.astype(scale_dtype)
   scale = scale + (scale == 0).astype(scale.dtype)
   return scale + (amax - amax).astype(scale.dtype)
@@ -197,7 +219,7 @@ def encode_groups(
   amax = _common.abs_max(absx, -1)
   if not expansion:
     scale = store_scale(amax * reciprocal(fmax), amax, scale_dtype)
-    codes = ops.div(groups, scale.astype(jnp.float32)[..., None])
+    codes = ops.div(groups, scale_as_float32(scale)[..., None])
     return _common.saturate(codes, dt, ops), scale, None
   # (|x| / M)^k = exp(k (ln|x| - ln M)), M as stored: no division (a
   # multiply by 1/M would flush for M > 2^126), and |x| == M gives exactly
@@ -222,7 +244,7 @@ def decode_groups(
     dtype: Any, ops: _common.Ops = _common.XLA_OPS
 ) -> jax.Array:
   """Inverse of `encode_groups` on float32 codes (..., g) of FP8 `dtype`."""
-  scale = scale.astype(jnp.float32)[..., None]
+  scale = scale_as_float32(scale)[..., None]
   if exponent is None:
     return groups * scale
   # M (|q| / fp8_max)^(1/k) = M exp(log2(|q| / fp8_max) ln2 / k), as

@@ -37,14 +37,13 @@ def _check(x: jax.Array, scale: jax.Array, group_size: int, what: str):
 
 
 def _use_pallas(implementation: str | None, group_size: int,
-                shape: tuple[int, ...], scale_dtype: Any):
+                shape: tuple[int, ...]):
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   # Blocks hold whole groups and Triton blocks are powers of two; an empty
-  # array has no program to run; E8M0 scales are XLA's.
+  # array has no program to run.
   ok = (group_size & (group_size - 1) == 0 and shape[-1] <= MAX_PALLAS_COLS
-        and math.prod(shape) > 0
-        and scale_dtype in group_reference.PALLAS_SCALE_DTYPES)
+        and math.prod(shape) > 0)
   return impl == 'pallas' and ok, interpret
 
 
@@ -60,7 +59,7 @@ def rms_norm_fp8_fwd(
     scale: (H,) gain.
     eps: added to the mean square.
     group_size: elements per group of x's E4M3 copy (16 for COAT).
-    scale_dtype: float32, bfloat16 or float8_e8m0fnu (XLA only), the group
+    scale_dtype: float32, bfloat16 or float8_e8m0fnu, the group
       scales' dtype.
     implementation: None (fastest available), 'xla' or 'pallas'.
 
@@ -71,7 +70,7 @@ def rms_norm_fp8_fwd(
   """
   _check(x, scale, group_size, 'x')
   sd = group_reference.check_scale_dtype(scale_dtype)
-  use, interpret = _use_pallas(implementation, group_size, x.shape, sd)
+  use, interpret = _use_pallas(implementation, group_size, x.shape)
   if use:
     from pallas_kernels.rms_norm_fp8 import pallas_triton
     return pallas_triton.rms_norm_fp8_fwd(
@@ -107,8 +106,7 @@ def rms_norm_fp8_bwd(
         f'codes {codes.shape} {codes.dtype}, scales {scales.shape} and rstd'
         f' {rstd.shape} must be the forward outputs for g {g.shape}: E4M3'
         f' codes of g\'s shape, scales (..., {ng}), rstd (..., 1).')
-  use, interpret = _use_pallas(implementation, group_size, g.shape,
-                               scales.dtype)
+  use, interpret = _use_pallas(implementation, group_size, g.shape)
   if use:
     from pallas_kernels.rms_norm_fp8 import pallas_triton
     return pallas_triton.rms_norm_fp8_bwd(

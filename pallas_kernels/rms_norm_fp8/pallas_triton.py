@@ -22,8 +22,11 @@ import numpy as np
 from pallas_kernels import _common
 from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
+from pallas_kernels.quantize_per_group.pallas_triton import from_kernel_scales
+from pallas_kernels.quantize_per_group.pallas_triton import kernel_scale_dtype
 from pallas_kernels.quantize_per_group.pallas_triton import load_groups
 from pallas_kernels.quantize_per_group.pallas_triton import store_groups
+from pallas_kernels.quantize_per_group.pallas_triton import to_kernel_scales
 from pallas_kernels.rms_norm_fp8 import reference
 
 
@@ -116,7 +119,7 @@ def rms_norm_fp8_fwd(
   out_shape = [
       jax.ShapeDtypeStruct((rows, cols), x.dtype),
       jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn),
-      jax.ShapeDtypeStruct((rows, ng), scale_dtype),
+      jax.ShapeDtypeStruct((rows, ng), kernel_scale_dtype(scale_dtype)),
       jax.ShapeDtypeStruct((rows, 1), jnp.float32),
       jax.ShapeDtypeStruct((nprog, 1), jnp.float32),
   ]
@@ -124,7 +127,8 @@ def rms_norm_fp8_fwd(
                row_block(1), pl.BlockSpec((1, 1), lambda i: (i, 0))]
   kernel = functools.partial(
       _fwd_kernel, rows=rows, cols=cols, eps=eps, group_size=group_size,
-      scale_dtype=scale_dtype, ops=_common.kernel_ops(interpret))
+      scale_dtype=kernel_scale_dtype(scale_dtype),
+      ops=_common.kernel_ops(interpret))
   y, codes, scales, rstd, amax = pl.pallas_call(
       kernel, grid=(nprog,),
       in_specs=[row_block(hp), pl.BlockSpec((1, hp), lambda i: (0, 0))],
@@ -134,7 +138,8 @@ def rms_norm_fp8_fwd(
   )(x.reshape(rows, cols), scale.astype(jnp.float32).reshape(1, cols))
   lead = shape[:-1]
   return (y.reshape(shape), codes.reshape(shape),
-          scales.reshape(lead + (ng,)), rstd.reshape(lead + (1,)),
+          from_kernel_scales(scales.reshape(lead + (ng,)), scale_dtype),
+          rstd.reshape(lead + (1,)),
           jnp.max(amax))  # NaN-propagating in XLA
 
 
@@ -196,7 +201,7 @@ def rms_norm_fp8_bwd(
       interpret=interpret,
       compiler_params=_common.compiler_params(warps, 1),
       name='rms_norm_fp8_bwd',
-  )(codes.reshape(rows, cols), scales.reshape(rows, ng),
+  )(codes.reshape(rows, cols), to_kernel_scales(scales.reshape(rows, ng)),
     rstd.reshape(rows, 1), scale.astype(jnp.float32).reshape(1, cols),
     g.reshape(rows, cols))
   return dx.reshape(shape), jnp.sum(dscale, axis=0)

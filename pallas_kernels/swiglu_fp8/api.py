@@ -15,9 +15,11 @@ from pallas_kernels import _common
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.swiglu_fp8 import reference
 
-# False: one pass alone is 1.25-1.96x faster than XLA's reference, yet the
-# 1b train step was slower with it (H200, RESULTS.md "kernels-fused").
-PALLAS_IS_DEFAULT = False
+# The one-pass kernels, with their amaxes handed to the quantizers of h,
+# dgate and dup (coat_jax.nn.mlp): the 1b coat step 185.4 -> 180.8 ms on an
+# H200 (RESULTS.md "e2e-1b"; without the amaxes handed on, 2026-11-24, the
+# step was slower with them).
+PALLAS_IS_DEFAULT = True
 
 Groups = reference.Groups
 
@@ -30,14 +32,12 @@ def _check_group_size(group_size: Any) -> int:
   return int(group_size)
 
 
-def _use_pallas(implementation: str | None, group_size: int, size: int,
-                scale_dtype: Any):
+def _use_pallas(implementation: str | None, group_size: int, size: int):
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   # Tiles hold whole groups and Triton tiles are powers of two; an empty
-  # array has no program to run; E8M0 scales are XLA's.
-  ok = (group_size & (group_size - 1) == 0 and size > 0
-        and scale_dtype in group_reference.PALLAS_SCALE_DTYPES)
+  # array has no program to run.
+  ok = (group_size & (group_size - 1) == 0 and size > 0)
   return impl == 'pallas' and ok, interpret
 
 
@@ -51,7 +51,7 @@ def swiglu_fp8_fwd(
   Args:
     gate, up: (..., I) bfloat16 or float32, same shape and dtype.
     group_size: elements per group of the E4M3 copies (16 for COAT).
-    scale_dtype: float32, bfloat16 or float8_e8m0fnu (XLA only), the group
+    scale_dtype: float32, bfloat16 or float8_e8m0fnu, the group
       scales' dtype.
     implementation: None (fastest available), 'xla' or 'pallas'.
 
@@ -67,7 +67,7 @@ def swiglu_fp8_fwd(
     raise TypeError(f'gate has dtype {gate.dtype}; SwiGLU needs floats.')
   group_size = _check_group_size(group_size)
   sd = group_reference.check_scale_dtype(scale_dtype)
-  use, interpret = _use_pallas(implementation, group_size, gate.size, sd)
+  use, interpret = _use_pallas(implementation, group_size, gate.size)
   if use:
     from pallas_kernels.swiglu_fp8 import pallas_triton
     return pallas_triton.swiglu_fp8_fwd(
@@ -105,8 +105,7 @@ def swiglu_fp8_bwd(
           f'{name} has codes {codes.shape} {codes.dtype} and scales'
           f' {scales.shape}; expected E4M3 codes {dh.shape} and scales'
           f' {sshape} (the forward outputs for dh {dh.shape}).')
-  use, interpret = _use_pallas(implementation, group_size, dh.size,
-                               gate_groups[1].dtype)
+  use, interpret = _use_pallas(implementation, group_size, dh.size)
   if use:
     from pallas_kernels.swiglu_fp8 import pallas_triton
     return pallas_triton.swiglu_fp8_bwd(

@@ -18,8 +18,11 @@ import jax.numpy as jnp
 from pallas_kernels import _common
 from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
+from pallas_kernels.quantize_per_group.pallas_triton import from_kernel_scales
+from pallas_kernels.quantize_per_group.pallas_triton import kernel_scale_dtype
 from pallas_kernels.quantize_per_group.pallas_triton import load_groups
 from pallas_kernels.quantize_per_group.pallas_triton import store_groups
+from pallas_kernels.quantize_per_group.pallas_triton import to_kernel_scales
 from pallas_kernels.swiglu_fp8 import reference
 
 
@@ -89,10 +92,11 @@ def swiglu_fp8_fwd(
   grid, ncb = _grid(rows, cols, br, bc)
   tile, gtile = _spec((br, bc), ncb), _spec((br, bc // group_size), ncb)
   codes = jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn)
-  scales = jax.ShapeDtypeStruct((rows, ng), scale_dtype)
+  scales = jax.ShapeDtypeStruct((rows, ng), kernel_scale_dtype(scale_dtype))
   kernel = functools.partial(
       _fwd_kernel, rows=rows, cols=cols, ncb=ncb, group_size=group_size,
-      scale_dtype=scale_dtype, ops=_common.kernel_ops(interpret))
+      scale_dtype=kernel_scale_dtype(scale_dtype),
+      ops=_common.kernel_ops(interpret))
   h, gc, gs, uc, us, amax = pl.pallas_call(
       kernel, grid=grid, in_specs=[tile, tile],
       out_specs=[tile, tile, gtile, tile, gtile,
@@ -105,8 +109,10 @@ def swiglu_fp8_fwd(
       name='swiglu_fp8_fwd',
   )(gate.reshape(rows, cols), up.reshape(rows, cols))
   sshape = shape[:-1] + (ng,)
-  return (h.reshape(shape), (gc.reshape(shape), gs.reshape(sshape)),
-          (uc.reshape(shape), us.reshape(sshape)), jnp.max(amax))
+  gs, us = (from_kernel_scales(s.reshape(sshape), scale_dtype)
+            for s in (gs, us))
+  return (h.reshape(shape), (gc.reshape(shape), gs),
+          (uc.reshape(shape), us), jnp.max(amax))
 
 
 def _bwd_kernel(gc_ref, gs_ref, uc_ref, us_ref, dh_ref, dg_ref, du_ref,
@@ -154,7 +160,8 @@ def swiglu_fp8_bwd(
       out_shape=[out, out, amax, amax], interpret=interpret,
       compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
       name='swiglu_fp8_bwd',
-  )(gc.reshape(rows, cols), gs.reshape(rows, ng), uc.reshape(rows, cols),
-    us.reshape(rows, ng), dh.reshape(rows, cols))
+  )(gc.reshape(rows, cols), to_kernel_scales(gs.reshape(rows, ng)),
+    uc.reshape(rows, cols), to_kernel_scales(us.reshape(rows, ng)),
+    dh.reshape(rows, cols))
   return (dgate.reshape(shape), dup.reshape(shape), jnp.max(amax_g),
           jnp.max(amax_u))

@@ -110,7 +110,8 @@ def test_group_bf16_input_and_scale():
 def test_group_e8m0_scales_are_powers_of_two_above_amax(fmt):
   """E8M0 scales: the smallest power of two >= amax / fp8_max (>= 2^-126),
   so codes never clip and dequantize exactly; 1 for all-zero groups, NaN for
-  groups with NaN or Inf; the Pallas path runs the reference (XLA)."""
+  groups with NaN or Inf; the Pallas kernels (E8M0 as bytes inside) give
+  the same bits."""
   x = _data((6, 64), seed=np.random.randint(1 << 30), nonfinite=True)
   fmax = float(jnp.finfo(_common.fp8_dtype(fmt)).max)
   x = x.at[3, :16].set(fmax * 2.0**-5)  # amax / fp8_max an exact power

@@ -7,6 +7,8 @@ compiled by XLA there: codes and scales bit for bit; h, dgate, dup and the
 amax within one ulp of their dtype (Triton's exp is not XLA's).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,12 +85,15 @@ def _magnitudes(gate, up, gate_groups, up_groups, dh):
             np.abs(d * g), np.abs(d * u) * (1 + np.abs(g)))
 
 
-def _run(gate, up, dh, block_sizes=None, interpret=True):
+def _run(gate, up, dh, block_sizes=None, interpret=True,
+         scale_dtype=jnp.bfloat16):
   kwargs = dict(interpret=interpret)
   if block_sizes is not None:
     kwargs['block_sizes'] = block_sizes
-  ref = jax.jit(reference.swiglu_fp8_fwd)(gate, up)
-  out = pallas_triton.swiglu_fp8_fwd(gate, up, **kwargs)
+  ref = jax.jit(functools.partial(reference.swiglu_fp8_fwd,
+                                  scale_dtype=scale_dtype))(gate, up)
+  out = pallas_triton.swiglu_fp8_fwd(gate, up, scale_dtype=scale_dtype,
+                                     **kwargs)
   dref = jax.jit(reference.swiglu_fp8_bwd)(ref[1], ref[2], dh)
   dout = pallas_triton.swiglu_fp8_bwd(ref[1], ref[2], dh, **kwargs)
   return jax.tree.leaves(ref), jax.tree.leaves(out), dref, dout
@@ -98,15 +103,20 @@ FWD = ('h', 'gate codes', 'gate scales', 'up codes', 'up scales', 'amax h')
 BWD = ('dgate', 'dup', 'amax dgate', 'amax dup')
 
 
-def _assert_matches(shape, dtype, seed=0, block_sizes=None, **kw):
+def _assert_matches(shape, dtype, seed=0, block_sizes=None,
+                    scale_dtype=jnp.bfloat16, **kw):
   gate = _data(shape, dtype, seed, mag=4.0, **kw)
   up = _data(shape, dtype, seed + 1, **kw)
   dh = _data(shape, dtype, seed + 2)
-  ref, out, dref, dout = _run(gate, up, dh, block_sizes)
+  ref, out, dref, dout = _run(gate, up, dh, block_sizes,
+                              scale_dtype=scale_dtype)
   for a, b, what in zip(out + list(dout), ref + list(dref), FWD + BWD):
     _assert_same(a, b, what)
   return ref, dref
 
+
+# The layers' E8M0 scales travel through the kernels as their bytes.
+SCALE_DTYPES = [jnp.bfloat16, jnp.float8_e8m0fnu]
 
 CASES = [  # shape, dtype
     ((1, 16), jnp.bfloat16),
@@ -118,9 +128,10 @@ CASES = [  # shape, dtype
 ]
 
 
+@pytest.mark.parametrize('scale_dtype', SCALE_DTYPES)
 @pytest.mark.parametrize('shape,dtype', CASES)
-def test_kernels_match_reference(shape, dtype):
-  _assert_matches(shape, dtype, seed=1)
+def test_kernels_match_reference(shape, dtype, scale_dtype):
+  _assert_matches(shape, dtype, seed=1, scale_dtype=scale_dtype)
 
 
 def test_many_tiles_partial_in_both_axes():
@@ -129,17 +140,23 @@ def test_many_tiles_partial_in_both_axes():
                                                        block_cols=32))
 
 
-def test_specials_and_nonfinite_stay_in_their_group():
+@pytest.mark.parametrize('scale_dtype', SCALE_DTYPES)
+def test_specials_and_nonfinite_stay_in_their_group(scale_dtype):
   ref, dref = _assert_matches((8, 48), jnp.bfloat16, seed=3, specials=True,
-                              nonfinite=True)
+                              nonfinite=True, scale_dtype=scale_dtype)
   h, gate_codes, gate_scales, up_codes, up_scales, amax = ref
   dgate, dup, amax_dgate, amax_dup = dref
   assert np.isnan(float(amax))  # NaN never passes
   assert np.isnan(float(amax_dgate)) and np.isnan(float(amax_dup))
   np.testing.assert_array_equal(_f32(h)[1], 0.0)
   np.testing.assert_array_equal(_f32(gate_codes)[1], 0.0)
-  np.testing.assert_array_equal(_f32(gate_codes)[2, :16], -448.0)
-  np.testing.assert_array_equal(_f32(up_codes)[3, :16:2], 448.0)
+  # A group's max |x| codes to 448, or with E8M0 (the scale rounded up to
+  # a power of two) to x / 2^ceil(log2(max |x| / 448)).
+  top = lambda x: (448.0 if scale_dtype == jnp.bfloat16 else float(
+      jnp.float8_e4m3fn(x / 2.0**np.ceil(np.log2(x / 448.0)))))
+  np.testing.assert_array_equal(_f32(gate_codes)[2, :16], -top(3.0))
+  np.testing.assert_array_equal(_f32(up_codes)[3, :16:2],
+                                top(float(jnp.finfo(jnp.bfloat16).max)))
   # Non-finite inputs: a NaN scale for their group only, hence NaN
   # gradients in that group only (h: NaN where the product is).
   for scales in (gate_scales, up_scales):
@@ -223,13 +240,15 @@ GPU_CASES = [  # shape, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize('scale_dtype', SCALE_DTYPES)
 @pytest.mark.parametrize('shape,dtype', GPU_CASES)
-def test_gpu_kernels_match_xla(shape, dtype):
+def test_gpu_kernels_match_xla(shape, dtype, scale_dtype):
   kw = dict(specials=True, nonfinite=True)
   gate = _data(shape, dtype, 10, mag=4.0, **kw)
   up = _data(shape, dtype, 11, **kw)
   dh = _data(shape, dtype, 12)
-  ref, out, dref, dout = _run(gate, up, dh, interpret=False)
+  ref, out, dref, dout = _run(gate, up, dh, interpret=False,
+                              scale_dtype=scale_dtype)
   for i in (1, 2, 3, 4):
     _assert_same(out[i], ref[i], FWD[i])
   differ = lambda a, b: int(((_f32(a) != _f32(b))
@@ -246,7 +265,8 @@ def test_gpu_kernels_match_xla(shape, dtype):
     assert np.isnan(float(a))
   # Finite inputs: the amax within an ulp.
   gate, up = _data(shape, dtype, 13, mag=4.0), _data(shape, dtype, 14)
-  ref, out, dref, dout = _run(gate, up, dh, interpret=False)
+  ref, out, dref, dout = _run(gate, up, dh, interpret=False,
+                              scale_dtype=scale_dtype)
   for a, b, what in ((out[5], ref[5], 'amax h'),
                      (dout[2], dref[2], 'amax dgate'),
                      (dout[3], dref[3], 'amax dup')):
@@ -256,12 +276,10 @@ def test_gpu_kernels_match_xla(shape, dtype):
 
 def test_fp8_swiglu_gradients_through_the_kernels(monkeypatch):
   """coat_jax.nn's fp8_swiglu under jit(grad) with the kernels picked (as
-  on one Hopper GPU; interpreted here): the reference's bits."""
+  on one Hopper GPU; interpreted here), with the layers' E8M0 scales: the
+  reference's bits."""
   from coat_jax.nn import mlp  # pylint: disable=g-import-not-at-top
-  from coat_jax.nn import precision  # pylint: disable=g-import-not-at-top
   from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
-  # The kernels store bf16 scales (the layers' E8M0 scales run in XLA).
-  monkeypatch.setattr(precision, 'ACTIVATION_SCALE_DTYPE', jnp.bfloat16)
   gate, up = _data((2, 3, 48), seed=15, mag=4.0), _data((2, 3, 48), seed=16)
   w = _data((2, 3, 48), seed=17)
   loss = lambda g, u: jnp.sum((mlp.fp8_swiglu(g, u) * w).astype(jnp.float32))

@@ -98,6 +98,40 @@ def test_mlp_modes_agree_and_coat_saves_only_fp8():
   assert {str(r.dtype) for r in big} == {'float8_e4m3fn'}, res
 
 
+def test_coat_mlp_one_rule_matches_the_layers_composed():
+  """CoatMLP in 'coat' mode runs gate/up and SwiGLU as one custom_vjp
+  (`fp8_gate_up_swiglu`), whose backward hands SwiGLU's max |dgate| and max
+  |dup| to their quantizers: the bits of fp8_dense + fp8_swiglu + fp8_dense
+  composed, which compute those maxima apart (tokens padded: 42 rows)."""
+  k = jax.random.split(_key(), 2)
+  x = jax.random.normal(k[0], (2, 21, 64), jnp.bfloat16)
+  dy = jax.random.normal(k[1], (2, 21, 64), jnp.bfloat16)
+  graph, state = nnx.split(
+      cnn.CoatMLP(64, 176, precision='coat', rngs=nnx.Rngs(1)))
+
+  def composed(state, x):
+    m = nnx.merge(graph, state)
+    gate, up = cnn.fp8_dense(x, [m.gate_proj.kernel[...],
+                                 m.up_proj.kernel[...]])
+    return cnn.fp8_dense(cnn.fp8_swiglu(gate, up),
+                         [m.down_proj.kernel[...]])[0]
+
+  def layer(state, x):
+    return nnx.merge(graph, state)(x)
+
+  got, want = (jax.jit(lambda s, x, f=f: (lambda y, vjp: (y, vjp(dy)))(
+      *jax.vjp(f, s, x)))(state, x) for f in (layer, composed))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+  mlp = nnx.merge(graph, state)
+  kernels = [mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...]]
+  h, h_amax = cnn.fp8_gate_up_swiglu(x, *kernels)
+  assert h.shape == (2, 21, 176) and h_amax.dtype == jnp.float32
+  assert float(h_amax) == float(jnp.max(jnp.abs(h.astype(jnp.float32))))
+
+
 def test_errors():
   with pytest.raises(ValueError, match='hidden_features=100 must be'):
     cnn.CoatMLP(64, 100, precision='coat', rngs=nnx.Rngs(0))
