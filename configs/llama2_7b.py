@@ -2,7 +2,7 @@
 
 Unrolled layers without remat, batch 8 x 2048: 19.1K tokens/s, 90.6 GiB on
 one H200 (compile ~55 s; 2026-11-24); batch 16, the fastest measured:
-20.7K, 129.8 GiB (2026-11-26; batch 12: 20.3K, 108.6 GiB); remat 'minimal'
+21.1K, 129.8 GiB (2026-11-26; batch 12: 20.3K, 108.6 GiB); remat 'minimal'
 at batch 8 18.7K; scanned 17.4K; remat 'full' at batch 32 16.1K, 91.5 GiB
 (benchmarks/RESULTS.md "e2e-7b"). Longer sequences (4 x 16384) need remat
 'full'.

@@ -1,9 +1,9 @@
 """A 1B Llama (TinyLlama shape) in coat mode (one or more GPUs).
 
-Unrolled layers without remat: the fastest measured on one H200 (88.1K
-tokens/s at batch 8, 1.20x a plain BF16 Llama, against 76.6K scanned with
-remat minimal; 20.1 GiB; benchmarks/RESULTS.md "e2e-1b"). Scanned layers compile in ~5 s instead of
-~32 s: --set model.scan_layers=true.
+Unrolled layers without remat: the fastest measured on one H200 (90.5K
+tokens/s at batch 8, 1.22x a plain BF16 Llama, against 79.3K scanned with
+remat minimal; 20.0 GiB; benchmarks/RESULTS.md "e2e-1b"). Scanned layers
+compile in ~5 s instead of ~35 s: --set model.scan_layers=true.
 """
 
 from coat_jax.training import Config
