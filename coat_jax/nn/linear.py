@@ -44,6 +44,7 @@ from coat_jax.nn.fp8_matmul import fp8_matmul
 from coat_jax.nn.residuals import FP8_WEIGHT
 from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
+from pallas_kernels import _common
 from pallas_kernels.quantize_blockwise import api as block_quant
 from pallas_kernels.quantize_per_tensor import api as tensor_quant
 
@@ -82,6 +83,13 @@ def _amax(x, amax=None):
   if amax is not None:
     return amax
   return tensor_quant.tensor_amax(x, implementation='xla')
+
+
+def _pallas_quantizer() -> bool:
+  """Whether `quantize_per_tensor(implementation=None)` runs the Pallas
+  kernel here (one Hopper GPU), not XLA's fusion."""
+  return _common.resolve_implementation(
+      None, tensor_quant.PALLAS_IS_DEFAULT)[0] == 'pallas'
 
 
 def _quantize_with_transpose(x, dtype, amax=None):
@@ -129,11 +137,12 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   grad_amaxes: max |g| of each output gradient if their producer computed
   them (a Pallas kernel, which XLA cannot fuse the reduction into), else
   None."""
-  if grad_amaxes is None:
+  if grad_amaxes is None and _pallas_quantizer():
     # Before the barrier, so that XLA can fuse each into the fusion that
     # produces g (the residual stream's gradients: RMSNorm backward and
     # the residual add). 1b coat step on an H200: 184.1 -> 183.4 ms, three
-    # rounds each (RESULTS.md "e2e-1b").
+    # rounds each (RESULTS.md "e2e-1b"). Not under FSDP (XLA's quantizer):
+    # there XLA then kept 0.7 GiB more per device (1b, 2 GPUs, compiled).
     grad_amaxes = tuple(_amax(g) for g in grads)
   saved, grads = after_grads(residuals, grads)
   *saved, weights = saved
@@ -148,8 +157,8 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   dkernels = []
   for i, ((w_values, w_scale), g, w_dtype) in enumerate(
       zip(weights, grads, kernel_dtypes, strict=True)):
-    g_values, g_scale, g_t = _quantize_with_transpose(g, 'e5m2',
-                                                      grad_amaxes[i])
+    g_values, g_scale, g_t = _quantize_with_transpose(
+        g, 'e5m2', None if grad_amaxes is None else grad_amaxes[i])
     part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i), g_scale,
                       w_scale, out_dtype=dtype, implementation=implementation)
     # Summed in dtype, as a BF16 model's autodiff sums them: XLA adds most
