@@ -66,25 +66,33 @@ def step_times(step, state, batch, steps):
 
 def kernel_totals(trace_dir, steps):
   """{kernel name: ms per step} over the GPU planes of a trace."""
-  return collections.Counter(
-      {name: ms for name, (ms, _) in kernel_stats(trace_dir, steps).items()})
+  return _totals(kernel_stats(trace_dir, steps))
 
 
-def kernel_stats(trace_dir, steps):
-  """{kernel name: (ms per step, launches per step)} over the GPU planes of
-  a trace."""
+def _totals(stats):
+  return collections.Counter({name: ms for name, (ms, _) in stats.items()})
+
+
+def _stream_lines(trace_dir):
+  """The GPU stream lines of the trace in trace_dir (the kernels; 'XLA
+  Ops' etc. repeat them)."""
   path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'),
                     recursive=True)
   data = jax.profiler.ProfileData.from_file(path)
   lines = [line for plane in data.planes
            if plane.name.startswith('/device:GPU') for line in plane.lines]
-  # Kernels appear on the stream lines; 'XLA Ops' etc. repeat them.
   streams = [line for line in lines if line.name.startswith('Stream')]
   if not streams:
     print('no GPU stream lines in the trace; lines:',
           sorted({line.name for line in lines}))
+  return streams
+
+
+def kernel_stats(trace_dir, steps):
+  """{kernel name: (ms per step, launches per step)} over the GPU streams
+  of a trace."""
   totals, launches = collections.Counter(), collections.Counter()
-  for line in streams:
+  for line in _stream_lines(trace_dir):
     for event in line.events:
       totals[event.name] += event.duration_ns / 1e6 / steps
       launches[event.name] += 1 / steps
@@ -92,16 +100,11 @@ def kernel_stats(trace_dir, steps):
 
 
 def kernel_gaps(trace_dir, steps, top=8):
-  """(idle ms per step, [(ms per step, kernel after the gap)] for the `top`
+  """(idle ms per step, [(kernel after the gap, ms per step)] for the `top`
   kernels that most often wait on an idle GPU): time between one kernel's
   end and the next one's start on the busiest stream, gaps between the
   traced steps excluded."""
-  path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'),
-                    recursive=True)
-  data = jax.profiler.ProfileData.from_file(path)
-  streams = [line for plane in data.planes
-             if plane.name.startswith('/device:GPU') for line in plane.lines
-             if line.name.startswith('Stream')]
+  streams = _stream_lines(trace_dir)
   if not streams:
     return 0.0, []
   busiest = max(streams, key=lambda line: sum(e.duration_ns
@@ -142,9 +145,7 @@ def profile(config, steps):
   temp = compiled.memory_analysis().temp_size_in_bytes
   stats = kernel_stats(trace_dir, 3)
   return dict(seconds=seconds, compile_s=compile_s, temp=temp,
-              gaps=kernel_gaps(trace_dir, 3),
-              kernels=collections.Counter(
-                  {name: ms for name, (ms, _) in stats.items()}),
+              gaps=kernel_gaps(trace_dir, 3), kernels=_totals(stats),
               stats=stats, hlo=compiled.as_text())
 
 

@@ -481,6 +481,18 @@ class CoatLinear(nnx.Module):
     return fanout(x, [self], reuse_input=reuse_input, x_amax=x_amax)[0]
 
 
+def layer_kernels(
+    layers: Sequence[CoatLinear],
+) -> tuple[list[jax.Array], tuple[Any, ...] | None]:
+  """(the layers' kernels as their matmuls read them: gathered whole under
+  an FSDP mesh, the `gather_axes` of `fp8_dense`: their logical axis names
+  with fp8_weight_gather, else None)."""
+  kernels = [fsdp.gather_weight(layer.kernel[...]) for layer in layers]
+  if not layers[0].fp8_weight_gather:
+    return kernels, None
+  return kernels, tuple(layer.kernel_axes for layer in layers)
+
+
 def fanout(
     x: jax.Array, layers: Sequence[CoatLinear], *, reuse_input: bool = False,
     x_amax: jax.Array | None = None,
@@ -501,12 +513,11 @@ def fanout(
     if shared(layer) != shared(first):
       raise ValueError('fanout: all layers must share precision, dtype,'
                        ' implementation, scaling and fp8_weight_gather.')
-  outs = dense(x, [fsdp.gather_weight(layer.kernel[...]) for layer in layers],
-               precision=first.precision, dtype=first.dtype,
+  kernels, gather_axes = layer_kernels(layers)
+  outs = dense(x, kernels, precision=first.precision, dtype=first.dtype,
                implementation=first.implementation, scaling=first.scaling,
                reuse_input=reuse_input, x_amax=x_amax,
-               gather_axes=(tuple(layer.kernel_axes for layer in layers)
-                            if first.fp8_weight_gather else None))
+               gather_axes=gather_axes)
   return tuple(
       y + fsdp.gather_weight(layer.bias[...]).astype(y.dtype)
       if layer.bias is not None else y

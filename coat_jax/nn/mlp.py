@@ -21,7 +21,6 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from coat_jax.nn import fsdp
 from coat_jax.nn import linear
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.residuals import after_grads
@@ -216,13 +215,12 @@ class CoatMLP(nnx.Module):
     """(..., in_features) -> (..., in_features) in `dtype`."""
     if (precision_lib.uses_fp8_activations(self.precision)
         and self.gate_proj.scaling == 'tensor'):
+      kernels, gather_axes = linear.layer_kernels(
+          [self.gate_proj, self.up_proj])
       h, h_amax = fp8_gate_up_swiglu(
-          x.astype(self.gate_proj.dtype),
-          *(fsdp.gather_weight(p.kernel[...])
-            for p in (self.gate_proj, self.up_proj)),
+          x.astype(self.gate_proj.dtype), *kernels,
           implementation=self.gate_proj.implementation,
-          gather_axes=((self.gate_proj.kernel_axes, self.up_proj.kernel_axes)
-                       if self.gate_proj.fp8_weight_gather else None))
+          gather_axes=gather_axes)
       return self.down_proj(h, x_amax=h_amax)
     gate, up = checkpoint_name(
         linear.fanout(x, [self.gate_proj, self.up_proj]), GATE_UP)

@@ -116,10 +116,11 @@ def rms_norm_fp8_fwd(
   ng = pl.cdiv(cols, group_size)
   nprog = pl.cdiv(rows, br)
   row_block = lambda w: pl.BlockSpec((br, w), lambda i: (i, 0))
+  ksd = kernel_scale_dtype(scale_dtype)
   out_shape = [
       jax.ShapeDtypeStruct((rows, cols), x.dtype),
       jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn),
-      jax.ShapeDtypeStruct((rows, ng), kernel_scale_dtype(scale_dtype)),
+      jax.ShapeDtypeStruct((rows, ng), ksd),
       jax.ShapeDtypeStruct((rows, 1), jnp.float32),
       jax.ShapeDtypeStruct((nprog, 1), jnp.float32),
   ]
@@ -127,8 +128,7 @@ def rms_norm_fp8_fwd(
                row_block(1), pl.BlockSpec((1, 1), lambda i: (i, 0))]
   kernel = functools.partial(
       _fwd_kernel, rows=rows, cols=cols, eps=eps, group_size=group_size,
-      scale_dtype=kernel_scale_dtype(scale_dtype),
-      ops=_common.kernel_ops(interpret))
+      scale_dtype=ksd, ops=_common.kernel_ops(interpret))
   y, codes, scales, rstd, amax = pl.pallas_call(
       kernel, grid=(nprog,),
       in_specs=[row_block(hp), pl.BlockSpec((1, hp), lambda i: (0, 0))],

@@ -92,11 +92,11 @@ def swiglu_fp8_fwd(
   grid, ncb = _grid(rows, cols, br, bc)
   tile, gtile = _spec((br, bc), ncb), _spec((br, bc // group_size), ncb)
   codes = jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn)
-  scales = jax.ShapeDtypeStruct((rows, ng), kernel_scale_dtype(scale_dtype))
+  ksd = kernel_scale_dtype(scale_dtype)
+  scales = jax.ShapeDtypeStruct((rows, ng), ksd)
   kernel = functools.partial(
       _fwd_kernel, rows=rows, cols=cols, ncb=ncb, group_size=group_size,
-      scale_dtype=kernel_scale_dtype(scale_dtype),
-      ops=_common.kernel_ops(interpret))
+      scale_dtype=ksd, ops=_common.kernel_ops(interpret))
   h, gc, gs, uc, us, amax = pl.pallas_call(
       kernel, grid=grid, in_specs=[tile, tile],
       out_specs=[tile, tile, gtile, tile, gtile,
