@@ -44,7 +44,8 @@ from coat_jax.nn.fp8_matmul import fp8_matmul
 from coat_jax.nn.residuals import FP8_WEIGHT
 from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
-from pallas_kernels import _common
+from coat_jax.nn.residuals import with_residuals
+from coat_jax.nn.residuals import xla_quantizes
 from pallas_kernels.quantize_blockwise import api as block_quant
 from pallas_kernels.quantize_per_tensor import api as tensor_quant
 
@@ -85,13 +86,6 @@ def _amax(x, amax=None):
   return tensor_quant.tensor_amax(x, implementation='xla')
 
 
-def _pallas_quantizer() -> bool:
-  """Whether `quantize_per_tensor(implementation=None)` runs the Pallas
-  kernel here (one Hopper GPU), not XLA's fusion."""
-  return _common.resolve_implementation(
-      None, tensor_quant.PALLAS_IS_DEFAULT)[0] == 'pallas'
-
-
 def _quantize_with_transpose(x, dtype, amax=None):
   """(values (M, N), scale, values.T (N, M)): max |x| (`_amax`), then one
   pass over x, the Pallas kernel on one Hopper GPU (faster in the 1b train
@@ -99,6 +93,16 @@ def _quantize_with_transpose(x, dtype, amax=None):
   amax = _amax(x, amax)
   return tensor_quant.quantize_per_tensor(x, dtype, amax=amax, transpose=True,
                                           implementation=None)
+
+
+def _outputs_and_residuals(outs, kept, fp8, weights):
+  """(outputs, residuals) of a forward rule: `kept` (its own input, saved
+  as it is), the FP8 input codes `fp8` and the `weights`' codes, those two
+  computed before anything reads the outputs (`with_residuals`) and named
+  for the remat policies."""
+  outs, (fp8, weights) = with_residuals(tuple(outs), (fp8, tuple(weights)))
+  return outs, (kept + name_fp8_residuals(fp8)
+                + (name_fp8_residuals(weights, FP8_WEIGHT),))
 
 
 def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
@@ -110,11 +114,11 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
     x_amax = _amax(x, x_amax)
     x_values, x_scale, _ = tensor_quant.quantize_per_tensor(
         x, 'e4m3', amax=x_amax, implementation=None)
-    saved = (x,) + name_fp8_residuals((x_amax,))
+    kept, fp8 = (x,), (x_amax,)
   else:
     x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3', x_amax)
     # x^T (K, M), the K-major operand of wgrad (as many bytes as x).
-    saved = name_fp8_residuals((x_t, x_scale))
+    kept, fp8 = (), (x_t, x_scale)
   outs, weights = [], []
   for i, w in enumerate(kernels):
     # Quantized once per step: backward multiplies the same codes (local
@@ -128,7 +132,7 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
         x_values, _gathered(w_t, gather_axes, i, transposed=True), x_scale,
         w_scale, out_dtype=x.dtype, implementation=implementation))
     weights.append((w_values, w_scale))
-  return tuple(outs), saved + (name_fp8_residuals(tuple(weights), FP8_WEIGHT),)
+  return _outputs_and_residuals(outs, kept, fp8, weights)
 
 
 def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
@@ -137,7 +141,7 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   grad_amaxes: max |g| of each output gradient if their producer computed
   them (a Pallas kernel, which XLA cannot fuse the reduction into), else
   None."""
-  if grad_amaxes is None and _pallas_quantizer():
+  if grad_amaxes is None and not xla_quantizes():
     # Before the barrier, so that XLA can fuse each into the fusion that
     # produces g (the residual stream's gradients: RMSNorm backward and
     # the residual add). 1b coat step on an H200: 184.1 -> 183.4 ms, three
@@ -217,12 +221,12 @@ def _fp8_dense_block_fwd(x, kernels, kernel_dtypes, implementation,
   if reuse_input:  # backward quantizes x^T again, to the same codes
     x_values, x_scales, _, _ = block_quant.quantize_blockwise(
         _pad_tokens(x), (1, block_quant.TILE), 'e4m3', implementation=None)
-    saved = (x,)
+    kept, fp8 = (x,), ()
   else:
     x_values, x_scales, x_t, x_t_scales = _tiles_with_transpose(
         _pad_tokens(x), 'e4m3')
     # x^T (K, M) tiled along tokens with its scales (K, M / 128).
-    saved = name_fp8_residuals((x_t, x_t_scales))
+    kept, fp8 = (), (x_t, x_t_scales)
   outs, weights = [], []
   for i, w in enumerate(kernels):
     w_values, w_scales = _weight_blocks(w)  # once per step, as 'tensor'
@@ -230,7 +234,7 @@ def _fp8_dense_block_fwd(x, kernels, kernel_dtypes, implementation,
         x_values, _gathered(w_values, gather_axes, i).T, x_scales,
         w_scales.T, out_dtype=x.dtype, implementation=implementation)[:rows])
     weights.append((w_values, w_scales))
-  return tuple(outs), saved + (name_fp8_residuals(tuple(weights), FP8_WEIGHT),)
+  return _outputs_and_residuals(outs, kept, fp8, weights)
 
 
 def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
