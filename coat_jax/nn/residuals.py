@@ -52,9 +52,9 @@ def with_residuals(outputs: Any, residuals: Any) -> tuple[Any, Any]:
   residuals exist before anything reads its outputs: under SPMD
   partitioning (FSDP) XLA's scheduler otherwise puts off the quantization
   until backward and keeps the bfloat16 GEMM outputs alive across the
-  later layers instead (1b, FSDP on 2 H200s: peak 11.17 -> 10.62 GiB per
-  device at the same speed; compiled for 2 H100s with jax 0.10.2, temp
-  9.97 -> 7.54 GiB; RESULTS.md "gpu-compile"). Not where the Pallas
+  later layers instead (1b, FSDP on 2 H200s: peak 11.20 -> 10.45 GiB per
+  device, step time within noise; compiled for 2 H100s with jax 0.10.2,
+  temp 9.97 -> 7.54 GiB; RESULTS.md "gpu-compile"). Not where the Pallas
   kernels quantize (one Hopper GPU): they write their codes in forward
   anyway, and there the barrier made the 1b step 1.6% slower.
   """
