@@ -106,7 +106,7 @@ def _outputs_and_residuals(outs, kept, fp8, weights):
   outs = tuple(outs)
   if fp8:
     outs, fp8 = with_residuals(outs, fp8)
-  return outs, (kept + name_fp8_residuals(fp8)
+  return outs, (kept + fp8
                 + (name_fp8_residuals(tuple(weights), FP8_WEIGHT),))
 
 

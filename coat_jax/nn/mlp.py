@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from coat_jax.nn import linear
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.residuals import after_grads
-from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.nn.residuals import with_residuals
 from coat_jax.quant import QuantizedArray
 from pallas_kernels.swiglu_fp8 import api as swiglu_fp8_api
@@ -51,8 +50,7 @@ def _fp8_swiglu_fwd(gate, up):
       scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)
   gate_q, up_q = (QuantizedArray(*q, None, precision_lib.GROUP_SIZE)
                   for q in (gate_q, up_q))
-  (h, h_amax), (gate_q, up_q) = with_residuals((h, h_amax), (gate_q, up_q))
-  return (h, h_amax), name_fp8_residuals((gate_q, up_q))
+  return with_residuals((h, h_amax), (gate_q, up_q))
 
 
 def _swiglu_grads(residuals, grads):

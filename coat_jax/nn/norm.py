@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.residuals import after_grads
-from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.nn.residuals import with_residuals
 from coat_jax.quant import QuantizedArray
 from pallas_kernels.rms_norm_fp8 import api as rms_norm_fp8_api
@@ -60,8 +59,8 @@ def _fp8_rms_norm_fwd(x, scale, eps):
       x, scale, eps, group_size=precision_lib.GROUP_SIZE,
       scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)
   xq = QuantizedArray(codes, scales, None, precision_lib.GROUP_SIZE)
-  y, (xq, rstd) = with_residuals(y, (xq, rstd))
-  return y, (name_fp8_residuals((xq, rstd)) + (scale,))
+  y, residuals = with_residuals(y, (xq, rstd))
+  return y, residuals + (scale,)
 
 
 def _fp8_rms_norm_bwd(eps, residuals, g):

@@ -45,8 +45,8 @@ def after_grads(residuals: Any, grads: Any) -> tuple[Any, Any]:
 
 
 def with_residuals(outputs: Any, residuals: Any) -> tuple[Any, Any]:
-  """(outputs, residuals), through one `jax.lax.optimization_barrier` where
-  XLA quantizes (`xla_quantizes`).
+  """(outputs, residuals named `FP8_RESIDUAL`), through one
+  `jax.lax.optimization_barrier` where XLA quantizes (`xla_quantizes`).
 
   A custom_vjp forward returns its outputs this way, so that its FP8
   residuals exist before anything reads its outputs: under SPMD
@@ -58,9 +58,9 @@ def with_residuals(outputs: Any, residuals: Any) -> tuple[Any, Any]:
   kernels quantize (one Hopper GPU): they write their codes in forward
   anyway, and there the barrier made the 1b step 1.6% slower.
   """
-  if not xla_quantizes():
-    return outputs, residuals
-  return jax.lax.optimization_barrier((outputs, residuals))
+  if xla_quantizes():
+    outputs, residuals = jax.lax.optimization_barrier((outputs, residuals))
+  return outputs, name_fp8_residuals(residuals)
 
 
 def xla_quantizes() -> bool:
