@@ -27,6 +27,7 @@ need the GPU: `e2e.py`.
 """
 
 import argparse
+import contextlib
 import os
 import re
 import tempfile
@@ -127,20 +128,22 @@ def main(argv=None) -> int:
     if mode == 'plain':
       raise ValueError('--variants: the plain baseline runs on a GPU only'
                        ' (benchmarks/e2e.py).')
-    dump = (os.path.join(args.hlo, name) if args.hlo
-            else tempfile.mkdtemp(prefix='gpu_compile_'))
-    config = e2e.train_config(args.preset, args.seq, args.batch, mode,
-                              overrides)
-    setup, compiled, seconds = compile_variant(devices, config, dump)
-    mem = memory.breakdown(setup, compiled, device_bytes)
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    print(f'| {name} | {temp / 2**30:.2f} |'
-          f' {(mem.params + mem.optimizer_state) / 2**30:.2f} |'
-          f' {mem.total / 2**30:.2f} | {seconds:.0f} |', flush=True)
-    if args.buffers:
-      peak, at, buffers = step_buffers.peak_buffers(dump)
-      details.append(f'\n{name}: {peak / 2**30:.2f} GiB live at {at}\n'
-                     + step_buffers.largest(buffers, args.buffers))
+    with contextlib.ExitStack() as stack:
+      # XLA's dump of a 1b step takes ~250 MB: keep it only under --hlo.
+      dump = (os.path.join(args.hlo, name) if args.hlo else stack.enter_context(
+          tempfile.TemporaryDirectory(prefix='gpu_compile_')))
+      config = e2e.train_config(args.preset, args.seq, args.batch, mode,
+                                overrides)
+      setup, compiled, seconds = compile_variant(devices, config, dump)
+      mem = memory.breakdown(setup, compiled, device_bytes)
+      temp = compiled.memory_analysis().temp_size_in_bytes
+      print(f'| {name} | {temp / 2**30:.2f} |'
+            f' {(mem.params + mem.optimizer_state) / 2**30:.2f} |'
+            f' {mem.total / 2**30:.2f} | {seconds:.0f} |', flush=True)
+      if args.buffers:
+        peak, at, buffers = step_buffers.peak_buffers(dump)
+        details.append(f'\n{name}: {peak / 2**30:.2f} GiB live at {at}\n'
+                       + step_buffers.largest(buffers, args.buffers))
   print('\n'.join(details))
   return 0
 
