@@ -12,7 +12,7 @@ recorded as 'does not fit' while the sweep goes on. Modes:
               with optax.adamw, coat with coat_adamw)
 
 and variants `name=mode:section.field=value,...` (the overrides go through
-`coat_jax.training.apply_overrides`, e.g. model.scan_layers=false).
+`coat_jax.training.apply_overrides`, e.g. model.remat=full).
 
 Every point runs on one device. Per point: tokens/s from the median step
 time (>= 2 s of warm-up, then --steps timed steps, each blocked on), model
@@ -31,7 +31,7 @@ PV, 4 * B * S^2 * H per layer forward, halved by the mask, x3 for
 forward + backward).
 
   PYTHONPATH=. python benchmarks/e2e.py --preset 1b --modes plain,bf16,coat \\
-      --unrolled --variants coat_block=coat:model.scaling=block
+      --scanned --variants coat_block=coat:model.scaling=block
   PYTHONPATH=. python benchmarks/e2e.py --preset llama2_7b \\
       --modes plain,coat --max-batch --budget-s 540 --out runs/e2e_7b.jsonl
 
@@ -76,25 +76,25 @@ def parse_variant(spec: str) -> tuple[str, str, list[str]]:
   if not sep or not name or mode not in MODES:
     raise ValueError(f'--variants {spec!r}: expected name=mode:overrides'
                      f' with mode one of {MODES} (e.g.'
-                     ' coat_unrolled=coat:model.scan_layers=false).')
+                     ' coat_scanned=coat:model.scan_layers=true).')
   items = re.split(r',(?=[A-Za-z_]\w*\.\w+=)', overrides) if overrides else []
   return name, mode, items
 
 
 def runs_from_args(modes: str, variants: list[str],
-                   unrolled: bool = False) -> dict:
-  """{run name: (mode, overrides)} for --modes, --unrolled (<mode>_unrolled:
-  model.scan_layers=false for each coat_jax mode) and --variants."""
+                   scanned: bool = False) -> dict:
+  """{run name: (mode, overrides)} for --modes, --scanned (<mode>_scanned:
+  model.scan_layers=true for each coat_jax mode) and --variants."""
   runs = {}
   for mode in filter(None, modes.split(',')):
     if mode not in MODES:
       raise ValueError(f'--modes: {mode!r} is not one of {MODES}; use'
                        ' --variants name=mode:overrides for others.')
     runs[mode] = (mode, [])
-  if unrolled:
+  if scanned:
     for mode in list(runs):
       if mode != 'plain':
-        runs[f'{mode}_unrolled'] = (mode, ['model.scan_layers=false'])
+        runs[f'{mode}_scanned'] = (mode, ['model.scan_layers=true'])
   for spec in variants:
     name, mode, overrides = parse_variant(spec)
     if name in runs:
@@ -470,9 +470,9 @@ def main(argv=None) -> int:
   parser.add_argument('--budget-s', type=float, default=0,
                       help='start no point that might end after this many'
                       ' seconds (0: no limit); --out keeps what was done')
-  parser.add_argument('--unrolled', action='store_true',
+  parser.add_argument('--scanned', action='store_true',
                       help='also run each coat_jax mode with'
-                      ' model.scan_layers=false (<mode>_unrolled)')
+                      ' model.scan_layers=true (<mode>_scanned)')
   parser.add_argument('--profile', action='store_true',
                       help='GPU kernel ms by op class (step_profile.py)')
   parser.add_argument('--out', help='JSONL of the points (appended; points'
@@ -491,7 +491,7 @@ def main(argv=None) -> int:
     print(tables(list(latest.values())))
     return 0
   try:
-    runs = runs_from_args(args.modes, args.variants, args.unrolled)
+    runs = runs_from_args(args.modes, args.variants, args.scanned)
   except ValueError as e:
     parser.error(str(e))
   preset = PRESETS[args.preset]

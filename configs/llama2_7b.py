@@ -1,13 +1,13 @@
 """Llama-2-7B dimensions in coat mode; shard with --set mesh.fsdp=N.
 
-The fastest setting measured on one H200: unrolled layers without remat,
-batch 16 x 2048: 21.4K tokens/s in train.py with evaluation and a
-checkpoint, peak 130.3 GiB of the 132.8 that train.py's default
+The fastest setting measured on one H200: unrolled layers (the default)
+without remat, batch 16 x 2048: 21.4K tokens/s in train.py with evaluation
+and a checkpoint, peak 130.3 GiB of the 132.8 that train.py's default
 XLA_PYTHON_CLIENT_MEM_FRACTION (0.95) allows (2026-11-26; e2e.py: 21.1K,
 1.56x a plain BF16 Llama at its largest batch). Less headroom wanted:
 batch 12 (20.3K, 108.6 GiB) or 8 (19.1K, 90.6 GiB); remat 'minimal' at
-batch 8 18.7K; scanned 17.4K; remat 'full' at batch 32 16.1K, 91.5 GiB
-(benchmarks/RESULTS.md "e2e-7b"). Longer sequences (4 x 16384) need remat
+batch 8 18.7K; scanned 17.4K; remat 'full', scanned, at batch 32 16.1K,
+91.5 GiB (benchmarks/RESULTS.md "e2e-7b"). Longer sequences (4 x 16384) need remat
 'full'. `python train.py --config configs/llama2_7b.py --estimate` prints
 the memory plan without training.
 """
@@ -21,8 +21,7 @@ from coat_jax.training import TrainConfig
 
 def get_config() -> Config:
   return Config(
-      model=ModelConfig(preset='llama2_7b', precision='coat',
-                        scan_layers=False, remat='none'),
+      model=ModelConfig(preset='llama2_7b', precision='coat', remat='none'),
       optim=OptimConfig(learning_rate=3e-4, warmup_steps=200),
       data=DataConfig(seq_len=2048),
       train=TrainConfig(steps=1000, batch_size=16, eval_every=200,

@@ -83,9 +83,12 @@ class LlamaConfig:
     rms_norm_eps: RMSNorm epsilon.
     tie_embeddings: use the embedding table as the LM head.
     init_std: std of the normal initializer of all matrices.
-    scan_layers: run the stacked decoder layers under `jax.lax.scan` (compile
-      time independent of depth) rather than unrolled (XLA may fuse and
-      schedule across layers).
+    scan_layers: run the stacked decoder layers under `jax.lax.scan`
+      (compile time independent of depth) instead of unrolled. Unrolled,
+      the default, is faster in every precision (XLA fuses and schedules
+      across layers) and in the FP8 modes keeps less (a scan's backward
+      stacks every layer's weight gradient beside the stacked residuals);
+      1b on an H200: benchmarks/RESULTS.md "e2e-1b".
     remat: the layer stack's remat policy, one of `remat.POLICIES`
       ('none', 'minimal', 'minimal_offloaded', 'full'; see
       `coat_jax.models.remat` for what each keeps), for scanned and unrolled
@@ -104,7 +107,7 @@ class LlamaConfig:
   rms_norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
-  scan_layers: bool = True
+  scan_layers: bool = False
   remat: str = remat_lib.DEFAULT
 
   def __post_init__(self):
@@ -124,6 +127,9 @@ class LlamaConfig:
     if self.head_dim % 2:
       raise ValueError(f'head_dim={self.head_dim} must be even for RoPE.')
     remat_lib.check_policy(self.remat)
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(
+          f'scan_layers={self.scan_layers!r} must be True or False.')
 
   @property
   def head_dim(self) -> int:
@@ -327,8 +333,8 @@ class Llama(nnx.Module):
         param_dtype, ('vocab', 'embed'))
 
     # The decoder layers are one module with stacked params (a leading
-    # num_layers axis), applied with jax.lax.scan: the compiled step (and the
-    # optimizer's per-leaf work) does not grow with depth.
+    # num_layers axis), applied one slice at a time or under jax.lax.scan
+    # (config.scan_layers).
     @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0,
               transform_metadata={nnx.PARTITION_NAME: None})

@@ -126,11 +126,11 @@ def test_tiny_sweep_in_processes_then_reused(tmp_path, capsys):
       'model.num_layers=1', 'model.precision=fp17']
 
 
-def test_unrolled_adds_a_run_per_coat_jax_mode():
-  assert e2e.runs_from_args('plain,bf16,coat', [], unrolled=True) == {
+def test_scanned_adds_a_run_per_coat_jax_mode():
+  assert e2e.runs_from_args('plain,bf16,coat', [], scanned=True) == {
       'plain': ('plain', []), 'bf16': ('bf16', []), 'coat': ('coat', []),
-      'bf16_unrolled': ('bf16', ['model.scan_layers=false']),
-      'coat_unrolled': ('coat', ['model.scan_layers=false'])}
+      'bf16_scanned': ('bf16', ['model.scan_layers=true']),
+      'coat_scanned': ('coat', ['model.scan_layers=true'])}
 
 
 def test_budget_stops_before_a_point_that_would_not_end_in_time(

@@ -75,6 +75,22 @@ def test_presets():
 
 
 @pytest.mark.parametrize('precision', MODES)
+def test_layers_unrolled_by_default(precision):
+  """Unrolled layers are the default (each mode's faster layout, measured);
+  scan_layers=True runs one loop over the layers."""
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  for cfg, scans in ((cm.LlamaConfig.preset('tiny'), False),
+                     (cm.LlamaConfig.preset('tiny', scan_layers=True), True)):
+    graph, state = nnx.split(
+        cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)))
+    jaxpr = jax.make_jaxpr(
+        lambda s: cm.lm_loss(nnx.merge(graph, s), tokens, tokens))(state)
+    assert bool(_scan_outputs(jaxpr.jaxpr, cfg.num_layers)) is scans
+  with pytest.raises(ValueError, match="scan_layers='yes' must be True or"):
+    cm.LlamaConfig.preset('tiny', scan_layers='yes')
+
+
+@pytest.mark.parametrize('precision', MODES)
 def test_forward_and_loss(precision):
   cfg = cm.LlamaConfig.preset('tiny')
   model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
@@ -131,7 +147,8 @@ def test_scanned_layers_carry_no_activation_sized_constants(precision):
   """A constant broadcast in the layer body (jnp.where(x > m, m, x)) is
   hoisted out of the scan by autodiff and carried as a full array: on the 1b
   model such copies of +-448 took 2 GiB and ~20 ms per step."""
-  cfg = cm.LlamaConfig.preset('tiny', num_layers=3)  # the scan of 3 steps
+  cfg = cm.LlamaConfig.preset('tiny', num_layers=3,  # the scan of 3 steps
+                              scan_layers=True)
   batch, seq = 2, 64
   model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
@@ -163,7 +180,7 @@ def test_scanned_bf16_layers_stack_bfloat16_gradients(precision):
   backward scan stacks their (bf16-valued) gradients in bf16, half the
   float32 stack, and casts them to float32 after the loop; 'coat' mode's FP8
   wgrads are float32, stacked as such."""
-  cfg = cm.LlamaConfig.preset('tiny', num_layers=3)
+  cfg = cm.LlamaConfig.preset('tiny', num_layers=3, scan_layers=True)
   model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
   tokens = jnp.zeros((2, 64), jnp.int32)
@@ -343,7 +360,8 @@ def test_125m_block_scaling_gradients_match_bf16():
 def test_train_step_memory_analysis():
   # remat='none': what autodiff and the custom_vjps keep (the default
   # 'minimal' recomputes elementwise work: 734, 778 and 701 MiB here).
-  cfg = cm.LlamaConfig.preset('125m', num_layers=4, remat='none')
+  cfg = cm.LlamaConfig.preset('125m', num_layers=4, remat='none',
+                              scan_layers=True)
   tokens = jax.ShapeDtypeStruct((4, 512), jnp.int32)
   stats = {}
   for precision in MODES:

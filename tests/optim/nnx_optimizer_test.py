@@ -336,10 +336,12 @@ def test_plain_dict_state_in_state_mappings_still_checks_the_tree():
     tx.update({'w': jnp.ones((8, 4)), 'b': jnp.ones(8)}, state, params)
 
 
-def test_llama_scanned_layers_nnx_jit_trains():
-  """The issue's reproduction: the tiny Llama (scanned layers, COAT FP8
-  activations) with chain(clip, coat_adamw) under nnx.jit."""
-  cfg = coat_jax.models.LlamaConfig.preset('tiny')
+@pytest.mark.parametrize('scan_layers', [True, False])
+def test_llama_nnx_jit_trains(scan_layers):
+  """The issue's reproduction: the tiny Llama (COAT FP8 activations, scanned
+  layers then; unrolled, the default, now) with chain(clip, coat_adamw)
+  under nnx.jit."""
+  cfg = coat_jax.models.LlamaConfig.preset('tiny', scan_layers=scan_layers)
   model = coat_jax.models.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
   tx = optax.chain(optax.clip_by_global_norm(1.0), coat_jax.coat_adamw(3e-3))
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)

@@ -69,15 +69,17 @@ def _partitioned_step(config):
           fsdp_bench.collectives(compiled.as_text()))
 
 
+@pytest.mark.parametrize('scan_layers', [True, False])
 @pytest.mark.parametrize('gather', [False, True])
-def test_step_collectives_are_fsdp(tiny_config, gather):
+def test_step_collectives_are_fsdp(tiny_config, gather, scan_layers):
   """The SPMD-partitioned step (before XLA:CPU's backend passes):
 
-  - each layer's 7 weights are all-gathered once in the forward loop body
-    and once in the backward one, float32 shards, or FP8 codes (as uint8)
-    with model.fp8_weight_gather; nothing else is all-gathered but the LM head
-    (BF16, in the loss' chunk loop, and float32 with the embedding outside
-    the loops) and the token ids of the embedding's gradient;
+  - each layer's 7 weights are all-gathered once in forward and once in
+    backward (scanned: in the loop bodies; unrolled: per layer), float32
+    shards, or FP8 codes (as uint8) with model.fp8_weight_gather; nothing
+    else is all-gathered but the LM head (BF16, in the loss' chunk loop,
+    and float32 with the embedding outside the loops) and the token ids of
+    the embedding's gradient;
   - each weight's gradient is summed over the devices once per layer. The
     CPU partitioner emits all-reduce (each device then keeps its slice); on
     GPUs XLA rewrites all-reduce + dynamic-slice into reduce-scatter;
@@ -86,7 +88,11 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
   - activations move only where the embedding table (sharded on its hidden
     axis) is looked up: one all-to-all forward, one backward.
   """
-  config = _config(tiny_config, 8, model={'fp8_weight_gather': gather})
+  # vocab 512: the embedding's and LM head's shapes differ from every
+  # layer weight's (unrolled, all of them are gathered outside any loop).
+  config = _config(tiny_config, 8, model={
+      'fp8_weight_gather': gather, 'scan_layers': scan_layers,
+      'vocab_size': 512})
   setup, colls, final = _partitioned_step(config)
   params = setup.abstract_state['params']
   layers = [tuple(sorted(s[1:])) for s in _shapes(params['layers'])
@@ -107,31 +113,35 @@ def test_step_collectives_are_fsdp(tiny_config, gather):
     shape = tuple(sorted(shape))
     if dtype == 's32':
       assert '_take' in c['op_name'], c  # token ids, for the embedding grad
-    elif c['entry']:
-      assert shape in top and dtype == 'f32', c
-    elif dtype == 'bf16':
-      assert shape == tuple(sorted(params['lm_head'].shape)), c
+    elif shape in top:
+      if c['entry']:
+        assert dtype == 'f32', c
+      else:  # the loss' chunk loop
+        assert dtype == 'bf16' and shape == tuple(sorted(
+            params['lm_head'].shape)), c
     else:
-      assert dtype == weight_dtype, c
+      assert dtype == weight_dtype and c['entry'] != scan_layers, c
       gathered[shape] += 1
-  assert gathered == collections.Counter(layers * 2)
+  per_layer = 1 if scan_layers else num_layers  # scanned: per loop body
+  assert gathered == collections.Counter(layers * 2 * per_layer)
   # XLA:CPU's later passes keep the dtype of the gathered weights.
   assert {c['dtype'] for c in final if c['kind'] == 'all-gather'
-          and not c['entry'] and tuple(sorted(c['arrays'][0][1])) in layers
+          and c['entry'] != scan_layers
+          and tuple(sorted(c['arrays'][0][1])) in layers
           } == {weight_dtype}
 
   reduced = collections.Counter(
       tuple(sorted(s)) for c in colls if c['kind'] == 'all-reduce'
-      and not c['entry'] for d, s in c['arrays'] if len(s) == 2)
+      and c['entry'] != scan_layers for d, s in c['arrays'] if len(s) == 2)
   for shape, count in collections.Counter(layers).items():
-    assert reduced[shape] >= count, (shape, reduced)
+    assert reduced[shape] >= count * per_layer, (shape, reduced)
 
   for c in colls:
     for dtype, shape in c['arrays']:
       assert not (len(shape) == 3 and shape[0] == num_layers), c
       if dtype.startswith('f8') or dtype == 'u8':  # FP8 codes travel as u8
         assert gather and dtype == 'u8' and c['kind'] == 'all-gather', c
-        assert not c['entry'], c
+        assert c['entry'] != scan_layers, c
   moved = [c for c in colls if c['kind'] == 'all-to-all']
   assert len(moved) == 2 and all(
       c['entry'] and '_take' in c['op_name'] for c in moved), moved

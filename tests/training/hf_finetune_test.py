@@ -74,8 +74,9 @@ def test_finetune_lowers_the_loss_resumes_and_exports(tiny_config, hf_dir,
   # first loss is its own, so compare with the checkpoint's loss directly.
   model = cm.load_hf(hf_dir, 'coat')
   x, y = _first_batch(config)
-  np.testing.assert_allclose(
-      losses[0], float(cm.lm_loss(model, jnp.asarray(x), jnp.asarray(y))),
+  np.testing.assert_allclose(  # jitted as train.py's: the same fusions
+      losses[0],
+      float(nnx.jit(cm.lm_loss)(model, jnp.asarray(x), jnp.asarray(y))),
       rtol=1e-5)
 
   # Resume from step 2 (drop step 4): the same steps 3 and 4 follow.

@@ -143,15 +143,21 @@ def test_remat_setting_and_its_errors(run_main):
 @pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
 def test_train_step_compiles_with_every_policy(tiny_config, precision):
   peaks = {}
-  for name in memory.usable_policies():
-    config = tiny_config(model={'precision': precision, 'remat': name})
-    peaks[name] = memory.estimate(config, ONE).activations
+  for scan in (True, False):
+    for name in memory.usable_policies():
+      config = tiny_config(model={'precision': precision, 'remat': name,
+                                  'scan_layers': scan})
+      peaks[scan, name] = memory.estimate(config, ONE).activations
   print(precision, {k: v / 2**20 for k, v in peaks.items()})
   offload = jax.default_backend() == 'gpu'
-  assert set(peaks) == set(remat.POLICIES) - (
+  assert {name for _, name in peaks} == set(remat.POLICIES) - (
       set() if offload else {'minimal_offloaded'})
-  assert 0 < peaks['full'] < peaks['minimal'] < peaks['none']
+  assert all(v > 0 for v in peaks.values())
+  # Ordered as promised under the scan. XLA:CPU drops jax.checkpoint's
+  # optimization barriers before fusion, so unrolled layers recompute
+  # nothing here (on the GPU they do: benchmarks/RESULTS.md "gpu-compile").
+  assert peaks[True, 'full'] < peaks[True, 'minimal'] < peaks[True, 'none']
   if precision == 'coat':  # activations grow with the batch
     config = tiny_config(model={'precision': precision, 'remat': 'none'},
                          train={'batch_size': 16})
-    assert memory.estimate(config, ONE).activations > peaks['none']
+    assert memory.estimate(config, ONE).activations > peaks[False, 'none']

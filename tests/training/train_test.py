@@ -157,7 +157,8 @@ def test_no_collective_runs_beside_the_layer_loop(tiny_config, step):
   8-device mesh test deadlocked so (the loss' token count, now reduced
   together with the loss).
   """
-  config = tiny_config(mesh={'data': 8, 'fsdp': 1, 'tensor': 1})
+  config = tiny_config(model={'scan_layers': True},
+                       mesh={'data': 8, 'fsdp': 1, 'tensor': 1})
   setup = training.build(config, jax.devices())
   batch = jax.ShapeDtypeStruct(
       (config.train.batch_size, config.data.seq_len), jnp.int32)
