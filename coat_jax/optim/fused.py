@@ -54,8 +54,9 @@ def fused_coat_adamw(
 
   `grads` mirrors `params`, except that a stacked leaf (L, ...) may get a
   tuple of L per-layer gradients instead (unrolled layers sliced from a
-  stack): each layer then takes its step in place in the stacked param and
-  moments, and no stacked copy of the gradients is ever written.
+  stack): where the Pallas kernel runs, each layer then takes its step in
+  place in the stacked param and moments, and no stacked copy of the
+  gradients is ever written; XLA's version stacks them first.
   """
 
   def apply(grads, state, params, apply_if=True, grad_scale=1.0):
@@ -94,6 +95,11 @@ def fused_coat_adamw(
         raise ValueError(
             f'grads hold {len(g)} per-layer gradients for a param of shape'
             f' {p.shape}: a stacked param (L, ...) takes exactly L.')
+      if not fused_step.runs_kernel(p.dtype, group_size, implementation):
+        # The jnp step would rewrite the whole stack for each layer; XLA
+        # did so in a transposed copy of it under data parallelism (1b, 2
+        # GPUs, compiled: 17.55 GiB per device against 8.09 stacked).
+        return fused_step.coat_adam_step(p, jnp.stack(g), m, v, count, **kw)
       for layer, g_layer in enumerate(g):  # in place, layer by layer
         p, m, v = fused_step.coat_adam_step(p, g_layer, m, v, count,
                                             layer=layer, **kw)

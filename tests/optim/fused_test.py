@@ -105,3 +105,37 @@ def test_apply_if_false_skips_the_step(implementation):
   p3, state3 = apply(_grads(params, 1), state, p, jnp.bool_(True))
   assert int(state3[0].count) == 2 and int(state3[2].count) == 2
   assert not np.array_equal(np.asarray(p3['w']), np.asarray(p['w']))
+
+
+def _primitives(jaxpr):
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= _primitives(sub)
+  return names
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_per_layer_gradients_step_like_the_stacked_one(implementation):
+  """A stacked leaf (L, ...) given a tuple of its L layers' gradients takes
+  the stacked step: the Pallas kernel layer by layer in place, XLA's version
+  on the gradients stacked first (stepping one layer at a time there
+  rewrote the whole stack per layer: a transposed float32 copy of it, +9.5
+  GiB per device at 1b under data parallelism)."""
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  apply = coat_jax.optim.fused_coat_adamw(**kw, implementation=implementation)
+  params = {'w': jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
+                                   (3, 16, 256)) * 0.1}
+  state = coat_jax.coat_adamw(**kw).init(params)
+  g = _grads(params, 0)
+  per_layer = {'w': tuple(g['w'])}
+  want = jax.jit(apply)(g, state, params)
+  got = jax.jit(apply)(per_layer, state, params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+  if implementation == 'xla':  # no layer written into the stack
+    jaxpr = jax.make_jaxpr(apply)(per_layer, state, params).jaxpr
+    writes = {'dynamic_update_slice', 'scatter'} & _primitives(jaxpr)
+    assert not writes, writes
