@@ -49,14 +49,18 @@ def check_grad_and_moments(grad: jax.Array, m: Moment, v: Moment,
           f' expansion={expansion}.')
 
 
+def _fusable(param_dtype: Any, group_size: int) -> bool:
+  return (np.dtype(param_dtype) == np.float32 and group_size >= 2
+          and group_size & (group_size - 1) == 0)
+
+
 def runs_kernel(param_dtype: Any, group_size: int,
                 implementation: str | None = None) -> bool:
   """Whether `coat_adam_step` runs its Pallas kernel (compiled or
   interpreted) for a param of this dtype, rather than its jnp reference.
   Only the kernel updates one layer of a stack in place (`layer=`)."""
   impl, _ = _common.resolve_implementation(implementation, PALLAS_IS_DEFAULT)
-  return (impl == 'pallas' and np.dtype(param_dtype) == np.float32
-          and group_size >= 2 and group_size & (group_size - 1) == 0)
+  return impl == 'pallas' and _fusable(param_dtype, group_size)
 
 
 def coat_adam_step(
@@ -120,9 +124,9 @@ def coat_adam_step(
                      f' {param.shape[0]} layers (param {param.shape}).')
   check_grad_and_moments(jax.ShapeDtypeStruct(param.shape, grad.dtype), m, v,
                          expansion)
-  if runs_kernel(param.dtype, group_size, implementation):
-    _, interpret = _common.resolve_implementation(
-        implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = _common.resolve_implementation(
+      implementation, PALLAS_IS_DEFAULT)
+  if impl == 'pallas' and _fusable(param.dtype, group_size):
     from pallas_kernels.coat_adam_step import pallas_triton
     hp = reference.hyperparams(
         count, learning_rate, b1, b2, eps, weight_decay, grad_scale)

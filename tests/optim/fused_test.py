@@ -107,15 +107,6 @@ def test_apply_if_false_skips_the_step(implementation):
   assert not np.array_equal(np.asarray(p3['w']), np.asarray(p['w']))
 
 
-def _primitives(jaxpr):
-  names = set()
-  for eqn in jaxpr.eqns:
-    names.add(eqn.primitive.name)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      names |= _primitives(sub)
-  return names
-
-
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
 def test_per_layer_gradients_step_like_the_stacked_one(implementation):
   """A stacked leaf (L, ...) given a tuple of its L layers' gradients takes
@@ -136,6 +127,5 @@ def test_per_layer_gradients_step_like_the_stacked_one(implementation):
     np.testing.assert_array_equal(np.asarray(a, np.float32),
                                   np.asarray(b, np.float32))
   if implementation == 'xla':  # no layer written into the stack
-    jaxpr = jax.make_jaxpr(apply)(per_layer, state, params).jaxpr
-    writes = {'dynamic_update_slice', 'scatter'} & _primitives(jaxpr)
-    assert not writes, writes
+    text = str(jax.make_jaxpr(apply)(per_layer, state, params))
+    assert 'dynamic_update_slice' not in text and 'scatter' not in text
