@@ -1,5 +1,7 @@
 """Chunked softmax cross entropy: the full FP32 logits never exist at once."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -16,9 +18,11 @@ def chunked_cross_entropy(
 ) -> tuple[jax.Array, jax.Array]:
   """Sum of -log softmax(hidden @ head)[target] over tokens, chunk by chunk.
 
-  Tokens are processed `chunk_size` at a time by a checkpointed function under
-  `jax.lax.map`: at most one (chunk_size, V) float32 logits block is live, in
-  the forward and in the backward (which recomputes it).
+  Tokens are processed `chunk_size` at a time under `jax.lax.scan`: at most
+  one (chunk_size, V) float32 logits block is live. Under differentiation
+  the forward pass computes the gradients too (chunk by chunk, from the
+  logits it has), since the loss is a step's last op: backward only scales
+  them by the cotangent, and no logits are kept or recomputed.
 
   Args:
     hidden: (..., H) final hidden states.
@@ -53,29 +57,8 @@ def chunked_cross_entropy(
   if pad:
     h = jnp.pad(h, ((0, pad), (0, 0)))
     t = jnp.pad(t, (0, pad), constant_values=-1)
-  w = head.astype(dtype)
-
-  @jax.checkpoint
-  def chunk_totals(h_c, t_c, w):
-    logits = _logits(h_c, w)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(
-        logits, jnp.maximum(t_c, 0)[:, None], axis=-1)[:, 0]
-    valid = t_c >= 0
-    # Loss and count reduced as one array: with tokens sharded, one
-    # all-reduce after the logits. A separate count all-reduce depends on
-    # nothing and XLA:CPU may run it beside the layers' while loop, whose
-    # own all-reduces then meet it in different orders on different
-    # devices: a deadlock.
-    per_token = jnp.stack([jnp.where(valid, lse - picked, 0.0),
-                           valid.astype(jnp.float32)], axis=-1)
-    return jnp.sum(per_token, axis=0)
-
-  totals = jax.lax.map(
-      lambda xs: chunk_totals(xs[0], xs[1], w),
-      (_chunks(h, chunk, token_axes), _chunks(t, chunk, token_axes)))
-  loss_sum, count = jnp.sum(totals, axis=0)
-  return loss_sum, count
+  totals = _chunk_totals(h, head, t, chunk, token_axes, jnp.dtype(dtype))
+  return totals[0], totals[1]
 
 
 def _chunks(x: jax.Array, chunk: int, token_axes) -> jax.Array:
@@ -95,29 +78,84 @@ def _chunks(x: jax.Array, chunk: int, token_axes) -> jax.Array:
                                       out_sharding=spec), 0, 1)
 
 
-@jax.custom_vjp
-def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
-  """(T, H) @ (H, V) -> float32 logits; h and w share a dtype (bfloat16)."""
-  return jnp.dot(h, w, preferred_element_type=jnp.float32)
+def _unchunks(x: jax.Array, token_axes) -> jax.Array:
+  """The inverse of `_chunks`: (T / chunk, chunk, ...) -> (T, ...)."""
+  n, chunk = x.shape[:2]
+  if token_axes is None:
+    return x.reshape((n * chunk,) + x.shape[2:])
+  spec = jax.sharding.PartitionSpec(token_axes, *(None,) * (x.ndim - 2))
+  return jax.lax.reshape(jnp.swapaxes(x, 0, 1), (n * chunk,) + x.shape[2:],
+                         out_sharding=spec)
 
 
-def _logits_fwd(h, w):
-  return _logits(h, w), (h, w)
+def _logits_and_totals(h_c, w, t_c):
+  """(float32 logits (C, V), logsumexp (C,), valid (C,), [loss sum,
+  count]) of one chunk; w is (H, V) in h_c's dtype."""
+  logits = jnp.dot(h_c, w, preferred_element_type=jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(
+      logits, jnp.maximum(t_c, 0)[:, None], axis=-1)[:, 0]
+  valid = t_c >= 0
+  # Loss and count reduced as one array: with tokens sharded, one
+  # all-reduce after the logits. A separate count all-reduce depends on
+  # nothing and XLA:CPU may run it beside the layers' while loop, whose
+  # own all-reduces then meet it in different orders on different
+  # devices: a deadlock.
+  per_token = jnp.stack([jnp.where(valid, lse - picked, 0.0),
+                         valid.astype(jnp.float32)], axis=-1)
+  return logits, lse, valid, jnp.sum(per_token, axis=0)
 
 
-def _logits_bwd(residuals, g):
-  # The float32 logits gradient is rounded to the inputs' dtype so that both
-  # backward GEMMs run in it, accumulating in float32; autodiff would mix a
-  # float32 gradient with BF16 operands and run them as float32 (TF32) GEMMs.
-  # Under Explicit mesh axes the tokens are sharded: dw's contraction over
-  # them is spelled out (`dot_out_sharding`; None elsewhere).
-  h, w = residuals
-  g = g.astype(h.dtype)
-  dh = jnp.dot(g, w.T, preferred_element_type=jnp.float32,
-               out_sharding=_common.dot_out_sharding(g, w.T, 0, 1))
-  dw = jnp.dot(h.T, g, preferred_element_type=jnp.float32,
-               out_sharding=_common.dot_out_sharding(h.T, g, 0, 1))
-  return dh.astype(h.dtype), dw.astype(w.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunk_totals(h, head, t, chunk, token_axes, dtype):
+  """[loss sum, count] (float32) of (T, H) h in dtype against (T,) targets
+  t, T a multiple of chunk, through the (H, V) head cast to dtype."""
+  w = head.astype(dtype)
+
+  def body(_, xs):
+    return None, _logits_and_totals(xs[0], w, xs[1])[3]
+
+  _, totals = jax.lax.scan(body, None, (_chunks(h, chunk, token_axes),
+                                        _chunks(t, chunk, token_axes)))
+  return jnp.sum(totals, axis=0)
 
 
-_logits.defvjp(_logits_fwd, _logits_bwd)
+def _chunk_totals_fwd(h, head, t, chunk, token_axes, dtype):
+  # The loss is the last op of the step, so its gradients are known in
+  # forward up to the cotangent (a scalar): each chunk's d loss_sum / d
+  # logits (softmax - one-hot, rounded to dtype so that both GEMMs run in
+  # it, accumulating in float32) goes straight into dh and dw. Backward
+  # only scales them: no logits recomputed, none saved.
+  w = head.astype(dtype)
+  vocab = w.shape[1]
+
+  def body(dw, xs):
+    h_c, t_c = xs
+    logits, lse, valid, totals = _logits_and_totals(h_c, w, t_c)
+    onehot = jnp.arange(vocab, dtype=jnp.int32)[None, :] == t_c[:, None]
+    g = jnp.where(valid[:, None],
+                  jnp.exp(logits - lse[:, None]) - onehot, 0.0).astype(dtype)
+    # Under Explicit mesh axes the tokens are sharded: dw's contraction over
+    # them is spelled out (`dot_out_sharding`; None elsewhere).
+    dh_c = jnp.dot(g, w.T, preferred_element_type=jnp.float32,
+                   out_sharding=_common.dot_out_sharding(g, w.T, 0, 1))
+    dw = dw + jnp.dot(h_c.T, g, preferred_element_type=jnp.float32,
+                      out_sharding=_common.dot_out_sharding(h_c.T, g, 0, 1))
+    return dw, (totals, dh_c.astype(dtype))
+
+  dw = jnp.zeros(w.shape, jnp.float32)
+  dw, (totals, dh) = jax.lax.scan(
+      body, dw, (_chunks(h, chunk, token_axes), _chunks(t, chunk, token_axes)))
+  return jnp.sum(totals, axis=0), (_unchunks(dh, token_axes),
+                                   dw.astype(head.dtype))
+
+
+def _chunk_totals_bwd(chunk, token_axes, dtype, residuals, g):
+  del chunk, token_axes, dtype
+  dh, dw = residuals
+  scale = g[0]  # the count has no gradient
+  return ((dh.astype(jnp.float32) * scale).astype(dh.dtype),
+          (dw * scale).astype(dw.dtype), None)
+
+
+_chunk_totals.defvjp(_chunk_totals_fwd, _chunk_totals_bwd)

@@ -87,5 +87,25 @@ def test_backward_gemms_run_in_bf16():
       lambda h, w: chunked_cross_entropy(h, w, targets, chunk_size=4)[0],
       argnums=(0, 1))
   dots = _dot_input_dtypes(jax.make_jaxpr(grad_fn)(hidden, head).jaxpr)
-  assert len(dots) >= 3  # forward, recomputed forward, dh, dw
+  # The chunk's logits, dh and dw, once each: backward recomputes nothing.
+  assert len(dots) == 3, dots
   assert all(d == jnp.bfloat16 for pair in dots for d in pair), dots
+
+
+def test_gradients_scale_with_the_cotangent():
+  # The gradients are computed in forward for a cotangent of 1; backward
+  # scales them (lm_loss divides by the count, a loss scale multiplies).
+  hidden, head, targets = _inputs(2, 9, 16, 48)
+  loss_fn = lambda h, w, c: c * chunked_cross_entropy(
+      h, w, targets, chunk_size=4)[0]
+  g1 = jax.grad(loss_fn, argnums=(0, 1))(hidden, head, 1.0)
+  g3 = jax.grad(loss_fn, argnums=(0, 1))(hidden, head, -0.375)
+  np.testing.assert_allclose(np.asarray(g3[1]), -0.375 * np.asarray(g1[1]),
+                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(g3[0], np.float32),
+                             -0.375 * np.asarray(g1[0], np.float32),
+                             rtol=2**-8)
+  # The count has no gradient.
+  g_count = jax.grad(lambda w: chunked_cross_entropy(
+      hidden, w, targets, chunk_size=4)[1])(head)
+  np.testing.assert_array_equal(g_count, 0.0)
