@@ -291,9 +291,10 @@ class DecoderLayer(nnx.Module):
                reuse_attention_output: bool = True):
     """(B, S, H) bf16 residual stream -> same. reuse_attention_output: see
     `Attention`."""
-    x = x + self.attn(self.attn_norm(x), cos, sin,
-                      reuse_output=reuse_attention_output)
-    return x + self.mlp(self.mlp_norm(x))
+    x, h = self.attn_norm.with_input(x)
+    x = x + self.attn(h, cos, sin, reuse_output=reuse_attention_output)
+    x, h = self.mlp_norm.with_input(x)
+    return x + self.mlp(h)
 
 
 class Llama(nnx.Module):

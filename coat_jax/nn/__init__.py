@@ -18,6 +18,7 @@ from coat_jax.nn.mlp import fp8_swiglu
 from coat_jax.nn.mlp import swiglu
 from coat_jax.nn.norm import CoatRMSNorm
 from coat_jax.nn.norm import fp8_rms_norm
+from coat_jax.nn.norm import fp8_rms_norm_with_input
 from coat_jax.nn.norm import rms_norm
 from coat_jax.nn.partitioning import LOGICAL_AXIS_RULES
 from coat_jax.nn.precision import PRECISIONS
@@ -30,5 +31,6 @@ __all__ = [
     'PRECISIONS', 'activation_residuals', 'bf16_dense', 'dense', 'fanout',
     'fp8_dense', 'fp8_gate_up_swiglu', 'fp8_matmul', 'fp8_matmul_groups',
     'fp8_rms_norm',
+    'fp8_rms_norm_with_input',
     'fp8_swiglu', 'nbytes', 'rms_norm', 'saved_residuals', 'swiglu',
 ]

@@ -63,16 +63,37 @@ def _fp8_rms_norm_fwd(x, scale, eps):
   return y, residuals + (scale,)
 
 
-def _fp8_rms_norm_bwd(eps, residuals, g):
+def _fp8_rms_norm_bwd(eps, residuals, g, residual_grad=None):
   del eps
   xq, rstd, scale = residuals
-  (xq, rstd), g = after_grads((xq, rstd), g)
+  (xq, rstd), (g, residual_grad) = after_grads((xq, rstd),
+                                               (g, residual_grad))
   dx, dscale = rms_norm_fp8_api.rms_norm_fp8_bwd(
-      xq.values, xq.scale, rstd, scale, g, group_size=xq.group_size)
+      xq.values, xq.scale, rstd, scale, g, residual_grad=residual_grad,
+      group_size=xq.group_size)
   return dx, dscale.astype(scale.dtype)
 
 
 _fp8_rms_norm.defvjp(_fp8_rms_norm_fwd, _fp8_rms_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_rms_norm_with_input(x, scale, eps):
+  return x, _fp8_rms_norm(x, scale, eps)
+
+
+def _fp8_rms_norm_with_input_fwd(x, scale, eps):
+  y, residuals = _fp8_rms_norm_fwd(x, scale, eps)
+  return (x, y), residuals
+
+
+def _fp8_rms_norm_with_input_bwd(eps, residuals, grads):
+  g_x, g_y = grads
+  return _fp8_rms_norm_bwd(eps, residuals, g_y, residual_grad=g_x)
+
+
+_fp8_rms_norm_with_input.defvjp(_fp8_rms_norm_with_input_fwd,
+                                _fp8_rms_norm_with_input_bwd)
 
 
 def fp8_rms_norm(
@@ -89,13 +110,31 @@ def fp8_rms_norm(
     (..., H) in x.dtype, identical to `rms_norm` in the forward pass.
     Saved: H bytes + H/16 one-byte scales + one fp32 rstd per row.
   """
+  _check_fp8_input(x, scale)
+  return _fp8_rms_norm(x, scale, eps)
+
+
+def _check_fp8_input(x: jax.Array, scale: jax.Array):
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f'x has dtype {x.dtype}; RMSNorm needs floating inputs.')
   precision_lib.check_fp8_size('x.shape[-1]', x.shape[-1], 'coat')
   if scale.shape != x.shape[-1:]:
     raise ValueError(f'scale has shape {scale.shape}; expected'
                      f' ({x.shape[-1]},) to match x.shape[-1].')
-  return _fp8_rms_norm(x, scale, eps)
+
+
+def fp8_rms_norm_with_input(
+    x: jax.Array, scale: jax.Array, eps: float = 1e-5
+) -> tuple[jax.Array, jax.Array]:
+  """(x, fp8_rms_norm(x)) for a pre-norm residual block x + f(norm(x)).
+
+  The same values as `x, fp8_rms_norm(x, scale, eps)`; backward adds the
+  gradient that reaches x along the residual stream into the norm's own
+  backward pass (`rms_norm_fp8_bwd`'s residual_grad: one Pallas pass on a
+  GPU, in float32 before dx is rounded) instead of in a separate add.
+  """
+  _check_fp8_input(x, scale)
+  return _fp8_rms_norm_with_input(x, scale, eps)
 
 
 class CoatRMSNorm(nnx.Module):
@@ -139,3 +178,12 @@ class CoatRMSNorm(nnx.Module):
     if precision_lib.uses_fp8_activations(self.precision):
       return fp8_rms_norm(x, self.scale[...], self.epsilon)
     return rms_norm(x, self.scale[...], self.epsilon)
+
+  def with_input(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x, self(x)), for a pre-norm block x + f(self(x)): in 'coat' mode
+    (x in `dtype`) backward adds the residual stream's gradient inside the
+    norm's backward pass (`fp8_rms_norm_with_input`)."""
+    if (precision_lib.uses_fp8_activations(self.precision)
+        and x.dtype == self.dtype):
+      return fp8_rms_norm_with_input(x, self.scale[...], self.epsilon)
+    return x, self(x)

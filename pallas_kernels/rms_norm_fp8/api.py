@@ -15,9 +15,14 @@ from pallas_kernels import _common
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.rms_norm_fp8 import reference
 
-# False: one pass alone is 1.25-1.96x faster than XLA's reference, yet the
-# 1b train step was slower with it (H200, RESULTS.md "kernels-fused").
+# Forward: False: one pass alone is 1.25-1.45x faster than XLA's
+# reference, yet the 1b train step was slower with it: XLA fuses the
+# residual add before each norm into its own passes (H200, RESULTS.md
+# "kernels-fused"). Backward: True: XLA needs three passes (row sums, dx,
+# dscale's column sums), the kernel one, with the residual stream's
+# gradient added in it (`residual_grad`).
 PALLAS_IS_DEFAULT = False
+PALLAS_BWD_IS_DEFAULT = True
 # A whole row is one block: rows wider than this are left to XLA.
 MAX_PALLAS_COLS = 16384
 
@@ -37,9 +42,8 @@ def _check(x: jax.Array, scale: jax.Array, group_size: int, what: str):
 
 
 def _use_pallas(implementation: str | None, group_size: int,
-                shape: tuple[int, ...]):
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+                shape: tuple[int, ...], default: bool = PALLAS_IS_DEFAULT):
+  impl, interpret = _common.resolve_implementation(implementation, default)
   # Blocks hold whole groups and Triton blocks are powers of two; an empty
   # array has no program to run.
   ok = (group_size & (group_size - 1) == 0 and shape[-1] <= MAX_PALLAS_COLS
@@ -82,7 +86,8 @@ def rms_norm_fp8_fwd(
 
 def rms_norm_fp8_bwd(
     codes: jax.Array, scales: jax.Array, rstd: jax.Array, scale: jax.Array,
-    g: jax.Array, *, group_size: int = reference.GROUP_SIZE,
+    g: jax.Array, *, residual_grad: jax.Array | None = None,
+    group_size: int = reference.GROUP_SIZE,
     implementation: str | None = None
 ) -> tuple[jax.Array, jax.Array]:
   """dx and dscale of `rms_norm_fp8_fwd` from its saved groups, one pass.
@@ -91,8 +96,11 @@ def rms_norm_fp8_bwd(
     codes, scales, rstd: from `rms_norm_fp8_fwd`.
     scale: (H,) gain.
     g: (..., H) gradient of y.
+    residual_grad: None, or (..., H) in g.dtype, added to dx in float32
+      (the residual stream's gradient of a pre-norm block).
     group_size: the forward pass's group size.
-    implementation: None (fastest available), 'xla' or 'pallas'.
+    implementation: None (fastest available: the Pallas kernel on one
+      Hopper GPU), 'xla' or 'pallas'.
 
   Returns:
     (dx (..., H) g.dtype, dscale (H,) float32).
@@ -106,11 +114,18 @@ def rms_norm_fp8_bwd(
         f'codes {codes.shape} {codes.dtype}, scales {scales.shape} and rstd'
         f' {rstd.shape} must be the forward outputs for g {g.shape}: E4M3'
         f' codes of g\'s shape, scales (..., {ng}), rstd (..., 1).')
-  use, interpret = _use_pallas(implementation, group_size, g.shape)
+  if residual_grad is not None and (residual_grad.shape != g.shape
+                                    or residual_grad.dtype != g.dtype):
+    raise ValueError(
+        f'residual_grad has shape {residual_grad.shape} and dtype'
+        f' {residual_grad.dtype}; it must match g ({g.shape}, {g.dtype}).')
+  use, interpret = _use_pallas(implementation, group_size, g.shape,
+                               PALLAS_BWD_IS_DEFAULT)
   if use:
     from pallas_kernels.rms_norm_fp8 import pallas_triton
     return pallas_triton.rms_norm_fp8_bwd(
-        codes, scales, rstd, scale, g, group_size=group_size,
-        interpret=interpret)
+        codes, scales, rstd, scale, g, residual_grad=residual_grad,
+        group_size=group_size, interpret=interpret)
   return reference.rms_norm_fp8_bwd(
-      codes, scales, rstd, scale, g, group_size=group_size)
+      codes, scales, rstd, scale, g, residual_grad=residual_grad,
+      group_size=group_size)

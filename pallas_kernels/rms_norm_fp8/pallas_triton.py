@@ -6,8 +6,9 @@ zero padding of a partial last group). Forward: one read of x writes y, x's
 1x16 groups, rstd and one max |y| per program (reduced in XLA). Backward:
 a program walks `steps` blocks of `block_rows` rows, writes dx and
 accumulates its partial dscale (one float32 row per program, summed in XLA:
-deterministic, unlike atomics). The group math is the per-group quantizer's
-own (`store_groups`, `load_groups`).
+deterministic, unlike atomics); a residual stream's gradient, if given, is
+added to dx in float32 before dx is rounded. The group math is the
+per-group quantizer's own (`store_groups`, `load_groups`).
 """
 
 import dataclasses
@@ -143,8 +144,23 @@ def rms_norm_fp8_fwd(
           jnp.max(amax))  # NaN-propagating in XLA
 
 
-def _bwd_kernel(c_ref, xs_ref, r_ref, s_ref, g_ref, dx_ref, ds_ref, *, rows,
-                cols, block_rows, steps, group_size, ops):
+def bwd_block_sizes(cols: int) -> BlockSizes:
+  """The backward's default: 2048-element blocks (one row from H = 2048),
+  8 per program, a warp per 256 elements. H200, 16384 rows with
+  residual_grad: H = 2048 92 us (the forward's 4096-element blocks: 124;
+  XLA's three passes: 131), H = 4096 190 us (204; XLA 211); RESULTS.md
+  "kernels-fused"."""
+  hp = _common.next_pow2(cols)
+  rows = max(1, 2048 // hp)
+  return BlockSizes(block_rows=rows, steps=8,
+                    num_warps=min(16, max(4, rows * hp // 256)))
+
+
+def _bwd_kernel(c_ref, xs_ref, r_ref, s_ref, g_ref, *refs, rows, cols,
+                block_rows, steps, group_size, ops):
+  # refs: (residual_grad, dx, dscale), or (dx, dscale) without it.
+  res_ref, (dx_ref, ds_ref) = (refs[0], refs[1:]) if len(refs) == 3 else (
+      None, refs)
   br = block_rows
   hp = g_ref.shape[1]
   scale = _common.masked_load(s_ref, _col_mask(hp, cols), 0.0)
@@ -163,6 +179,8 @@ def _bwd_kernel(c_ref, xs_ref, r_ref, s_ref, g_ref, dx_ref, ds_ref, *, rows,
     g_hat = g * scale
     mean = jnp.sum(g_hat * x_hat, axis=1, keepdims=True) / np.float32(cols)
     dx = rstd * (g_hat - x_hat * mean)
+    if res_ref is not None:
+      dx = dx + _common.masked_load(at(res_ref, hp), mask, 0.0)
     pltriton.store(at(dx_ref, hp), dx.astype(dx_ref.dtype), mask=mask)
     return dscale + jnp.sum(g * x_hat, axis=0, keepdims=True)
 
@@ -178,12 +196,15 @@ def _bwd_kernel(c_ref, xs_ref, r_ref, s_ref, g_ref, dx_ref, ds_ref, *, rows,
     jax.jit, static_argnames=('group_size', 'block_sizes', 'interpret'))
 def rms_norm_fp8_bwd(
     codes: jax.Array, scales: jax.Array, rstd: jax.Array, scale: jax.Array,
-    g: jax.Array, *, group_size: int = reference.GROUP_SIZE,
-    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
+    g: jax.Array, *, residual_grad: jax.Array | None = None,
+    group_size: int = reference.GROUP_SIZE,
+    block_sizes: BlockSizes | None = None, interpret: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-  """Pallas version of `reference.rms_norm_fp8_bwd` (same contract)."""
+  """Pallas version of `reference.rms_norm_fp8_bwd` (same contract);
+  block_sizes None: `bwd_block_sizes`."""
   shape = g.shape
   rows, cols = _common.as_2d(shape)
+  block_sizes = block_sizes or bwd_block_sizes(cols)
   br, hp, steps, warps = block_sizes.resolve(rows, cols)
   ng = pl.cdiv(cols, group_size)
   nprog = pl.cdiv(rows, br * steps)
@@ -191,17 +212,21 @@ def rms_norm_fp8_bwd(
   kernel = functools.partial(
       _bwd_kernel, rows=rows, cols=cols, block_rows=br, steps=steps,
       group_size=group_size, ops=_common.kernel_ops(interpret))
+  inputs = [codes.reshape(rows, cols),
+            to_kernel_scales(scales.reshape(rows, ng)), rstd.reshape(rows, 1),
+            scale.astype(jnp.float32).reshape(1, cols), g.reshape(rows, cols)]
+  in_specs = [row_block(hp), row_block(hp // group_size), row_block(1),
+              pl.BlockSpec((1, hp), lambda i: (0, 0)), row_block(hp)]
+  if residual_grad is not None:
+    inputs.append(residual_grad.reshape(rows, cols))
+    in_specs.append(row_block(hp))
   dx, dscale = pl.pallas_call(
-      kernel, grid=(nprog,),
-      in_specs=[row_block(hp), row_block(hp // group_size), row_block(1),
-                pl.BlockSpec((1, hp), lambda i: (0, 0)), row_block(hp)],
+      kernel, grid=(nprog,), in_specs=in_specs,
       out_specs=[row_block(hp), pl.BlockSpec((1, hp), lambda i: (i, 0))],
       out_shape=[jax.ShapeDtypeStruct((rows, cols), g.dtype),
                  jax.ShapeDtypeStruct((nprog, cols), jnp.float32)],
       interpret=interpret,
       compiler_params=_common.compiler_params(warps, 1),
       name='rms_norm_fp8_bwd',
-  )(codes.reshape(rows, cols), to_kernel_scales(scales.reshape(rows, ng)),
-    rstd.reshape(rows, 1), scale.astype(jnp.float32).reshape(1, cols),
-    g.reshape(rows, cols))
+  )(*inputs)
   return dx.reshape(shape), jnp.sum(dscale, axis=0)

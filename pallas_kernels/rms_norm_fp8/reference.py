@@ -48,7 +48,8 @@ def rms_norm_fp8_fwd(
 
 def rms_norm_fp8_bwd(
     codes: jax.Array, scales: jax.Array, rstd: jax.Array, scale: jax.Array,
-    g: jax.Array, *, group_size: int = GROUP_SIZE
+    g: jax.Array, *, residual_grad: jax.Array | None = None,
+    group_size: int = GROUP_SIZE
 ) -> tuple[jax.Array, jax.Array]:
   """Gradients of `rms_norm_fp8_fwd`'s y from its saved FP8 groups.
 
@@ -57,6 +58,9 @@ def rms_norm_fp8_bwd(
     rstd: (..., 1) float32 from the forward pass.
     scale: (H,) gain.
     g: (..., H) gradient of y.
+    residual_grad: None, or (..., H) in g.dtype: the gradient that reaches x
+      by another path (a pre-norm block's residual stream), added to dx in
+      float32 before dx is rounded to g.dtype.
     group_size: the group size of the forward pass.
 
   Returns:
@@ -67,5 +71,7 @@ def rms_norm_fp8_bwd(
   gf = g.astype(jnp.float32)
   g_hat = gf * scale.astype(jnp.float32)
   dx = rstd * (g_hat - x_hat * jnp.mean(g_hat * x_hat, axis=-1, keepdims=True))
+  if residual_grad is not None:
+    dx = dx + residual_grad.astype(jnp.float32)
   dscale = jnp.sum((gf * x_hat).reshape(-1, x_hat.shape[-1]), axis=0)
   return dx.astype(g.dtype), dscale

@@ -87,7 +87,7 @@ def _bwd_bounds(codes, scales, rstd, scale, g, out_dtype):
 
 
 def _check(x, scale, block_sizes=None, interpret=True,
-           scale_dtype=jnp.bfloat16):
+           scale_dtype=jnp.bfloat16, residual_grad=None):
   """Forward and backward of the kernels against the reference."""
   kwargs = dict(interpret=interpret)
   if block_sizes is not None:
@@ -97,9 +97,20 @@ def _check(x, scale, block_sizes=None, interpret=True,
   out = pallas_triton.rms_norm_fp8_fwd(x, scale, EPS, scale_dtype=scale_dtype,
                                        **kwargs)
   g = _data(x.shape, x.dtype, seed=11)
-  dref = jax.jit(reference.rms_norm_fp8_bwd)(*ref[1:4], scale, g)
-  dout = pallas_triton.rms_norm_fp8_bwd(*ref[1:4], scale, g, **kwargs)
+  dref = jax.jit(reference.rms_norm_fp8_bwd)(*ref[1:4], scale, g,
+                                             residual_grad=residual_grad)
+  dout = pallas_triton.rms_norm_fp8_bwd(*ref[1:4], scale, g,
+                                        residual_grad=residual_grad, **kwargs)
   return ref, out, g, dref, dout
+
+
+def _residual_tol(residual_grad):
+  """What adding residual_grad in float32 before rounding adds to the dx
+  bound: its own rounding to dx's dtype, and float32's."""
+  if residual_grad is None:
+    return 0.0
+  r = np.abs(_f32(residual_grad))
+  return (float(jnp.finfo(residual_grad.dtype).eps) + F32_EPS) * r
 
 
 def _assert_forward(out, ref, exact):
@@ -120,15 +131,18 @@ def _assert_forward(out, ref, exact):
   _assert_close(out[4], ref[4], tol.max(initial=0.0), 'amax')
 
 
-def _assert_matches(x, scale, block_sizes=None, scale_dtype=jnp.bfloat16):
+def _assert_matches(x, scale, block_sizes=None, scale_dtype=jnp.bfloat16,
+                    residual_grad=None):
   """Interpreted: the reference's bits where the arithmetic is the same
   (the row sums are when H is a power of two: no padded lanes)."""
   ref, out, g, dref, dout = _check(x, scale, block_sizes,
-                                   scale_dtype=scale_dtype)
+                                   scale_dtype=scale_dtype,
+                                   residual_grad=residual_grad)
   h = x.shape[-1]
   _assert_forward(out, ref, exact=h & (h - 1) == 0)
   dx_tol, ds_tol = _bwd_bounds(*ref[1:4], scale, g, g.dtype)
-  _assert_close(dout[0], dref[0], dx_tol, 'dx')
+  _assert_close(dout[0], dref[0], dx_tol + _residual_tol(residual_grad),
+                'dx')
   _assert_close(dout[1], dref[1], ds_tol, 'dscale')
   return ref, dout
 
@@ -154,6 +168,33 @@ def test_kernels_match_reference(shape, dtype, scale_dtype):
   _assert_matches(x, scale, scale_dtype=scale_dtype)
 
 
+@pytest.mark.parametrize('shape,dtype', CASES)
+def test_backward_adds_the_residual_gradient(shape, dtype):
+  """residual_grad is added to dx: the reference's dx + residual_grad
+  (within the bounds), and the reference itself is dx + residual_grad
+  summed in float32 and rounded once."""
+  x = _data(shape, dtype, seed=21)
+  scale = jnp.asarray(np.random.default_rng(22).uniform(
+      -2, 2, shape[-1]).astype(np.float32))
+  r = _data(shape, dtype, seed=23)
+  _assert_matches(x, scale, scale_dtype=jnp.float8_e8m0fnu, residual_grad=r)
+  _, codes, scales, rstd, _ = reference.rms_norm_fp8_fwd(
+      x, scale, EPS, scale_dtype=jnp.float8_e8m0fnu)
+  g = _data(shape, dtype, seed=24)
+  dx, dscale = jax.jit(lambda g, r: reference.rms_norm_fp8_bwd(
+      codes, scales, rstd, scale, g, residual_grad=r))(g, r)
+  dx32 = jax.jit(lambda g: reference.rms_norm_fp8_bwd(
+      codes, scales, rstd, scale, g.astype(jnp.float32))[0])(g)
+  expect = np.asarray(dx32, np.float32) + _f32(r)
+  if dtype == jnp.bfloat16:  # one rounding to bfloat16, of the float32 sum
+    _assert_same(dx, jnp.asarray(expect).astype(dtype), 'dx + residual')
+  else:  # XLA's float32 fusions may contract to FMAs: a few ulps
+    np.testing.assert_allclose(_f32(dx), expect, rtol=1e-6,
+                               atol=1e-6 * np.abs(expect).max())
+  _assert_same(dscale, jax.jit(lambda g: reference.rms_norm_fp8_bwd(
+      codes, scales, rstd, scale, g)[1])(g), 'dscale')
+
+
 def test_several_programs_and_steps_with_a_partial_last_block():
   """block_rows 4 x 3 steps over 37 rows: 4 programs, the last one partial
   (its third block lies past the view)."""
@@ -162,6 +203,21 @@ def test_several_programs_and_steps_with_a_partial_last_block():
   _assert_matches(x, scale, pallas_triton.BlockSizes(block_rows=4, steps=3))
   _assert_matches(x[:36], scale,
                   pallas_triton.BlockSizes(block_rows=4, steps=3))
+  _assert_matches(x, scale, pallas_triton.BlockSizes(block_rows=4, steps=3),
+                  residual_grad=_data((37, 48), seed=25))
+
+
+def test_a_nan_residual_gradient_reaches_dx():
+  x = _data((8, 48), seed=26)
+  scale = jnp.ones((48,), jnp.float32)
+  _, codes, scales, rstd, _ = reference.rms_norm_fp8_fwd(x, scale, EPS)
+  g = _data((8, 48), seed=27)
+  r = jnp.zeros_like(g).at[3, 7].set(jnp.nan)
+  for impl in ('pallas', 'xla'):
+    dx, _ = api.rms_norm_fp8_bwd(codes, scales, rstd, scale, g,
+                                 residual_grad=r, implementation=impl)
+    nan = np.isnan(_f32(dx))
+    assert nan[3, 7] and nan.sum() == 1, impl
 
 
 @pytest.mark.parametrize('scale_dtype', SCALE_DTYPES)
@@ -239,6 +295,11 @@ def test_dispatch_jit_and_bad_input():
     api.rms_norm_fp8_fwd(x, scale, group_size=0)
   with pytest.raises(ValueError, match='forward outputs'):
     api.rms_norm_fp8_bwd(ref[1], ref[2][:, :1], ref[3], scale, x)
+  with pytest.raises(ValueError, match='residual_grad'):
+    api.rms_norm_fp8_bwd(*ref[1:4], scale, x, residual_grad=x[:2])
+  with pytest.raises(ValueError, match='residual_grad'):
+    api.rms_norm_fp8_bwd(*ref[1:4], scale, x,
+                         residual_grad=x.astype(jnp.float32))
 
 
 # ---------------------------------------------------------------- GPU ----
@@ -260,8 +321,11 @@ def test_gpu_kernels_match_xla(shape, dtype, scale_dtype):
   x = _data(shape, dtype, seed=7, specials=True, nonfinite=True)
   scale = jnp.asarray(np.random.default_rng(8).uniform(
       -2, 2, shape[-1]).astype(np.float32))
+  r = _data(shape, dtype, seed=10)
   ref, out, g, dref, dout = _check(x, scale, interpret=False,
                                    scale_dtype=scale_dtype)
+  _, _, _, dref_r, dout_r = _check(x, scale, interpret=False,
+                                   scale_dtype=scale_dtype, residual_grad=r)
   _assert_forward(out, ref, exact=False)
   assert np.isnan(float(out[4])) and np.isnan(float(ref[4]))
   clean = _data(shape, dtype, seed=9)
@@ -278,6 +342,9 @@ def test_gpu_kernels_match_xla(shape, dtype, scale_dtype):
         f' {differ(dout[0], dref[0])}')
   _assert_close(dout[0], dref[0], dx_tol, 'dx')
   _assert_close(dout[1], dref[1], ds_tol, 'dscale')
+  _assert_close(dout_r[0], dref_r[0], dx_tol + _residual_tol(r),
+                'dx + residual_grad')
+  _assert_close(dout_r[1], dref_r[1], ds_tol, 'dscale with residual_grad')
 
 
 def test_fp8_rms_norm_layer_gradients_through_the_kernels(monkeypatch):

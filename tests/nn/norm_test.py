@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import coat_jax.nn as cnn
+from pallas_kernels.rms_norm_fp8 import reference as norm_reference
 
 
 def _key():
@@ -86,6 +87,64 @@ def test_nan_propagates_to_dx():
   dx = jax.jit(jax.grad(lambda x: jnp.sum(cnn.fp8_rms_norm(
       x, jnp.ones((32,))).astype(jnp.float32))))(x)
   assert np.isnan(np.asarray(dx[1], np.float32)).all()
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_with_input_adds_the_residual_gradient_before_rounding(
+    implementation, monkeypatch):
+  """(x, norm(x)) with the residual stream's gradient added inside the
+  norm's backward pass: the values of x, fp8_rms_norm(x); dscale the same;
+  dx the separate sum's to one rounding, and closer to float32."""
+  if implementation == 'pallas':  # as on one Hopper GPU (interpreted here)
+    from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(_common, 'resolve_implementation',
+                        lambda impl, default=True: ('pallas', True))
+  k = jax.random.split(_key(), 4)
+  x = (3 * jax.random.normal(k[0], (2, 37, 256))).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(k[1], (256,))
+  g_x = jax.random.normal(k[2], x.shape, jnp.bfloat16)
+  g_y = jax.random.normal(k[3], x.shape, jnp.bfloat16)
+
+  def grads(fn, x, scale):
+    out, vjp = jax.vjp(fn, x, scale)
+    return out, vjp((g_x, g_y))
+
+  grads = jax.jit(grads, static_argnums=0)
+
+  fused = grads(cnn.fp8_rms_norm_with_input, x, scale)
+  separate = grads(lambda x, s: (x, cnn.fp8_rms_norm(x, s)), x, scale)
+  jaxpr = str(jax.make_jaxpr(
+      lambda x, s: jax.vjp(cnn.fp8_rms_norm_with_input, x, s)[1](
+          (g_x, g_y)))(x, scale))
+  assert ('rms_norm_fp8_bwd' in jaxpr) == (implementation == 'pallas')
+  (x_out, y), (dx, ds) = fused
+  (_, y_sep), (dx_sep, ds_sep) = separate
+  np.testing.assert_array_equal(x_out, x)
+  np.testing.assert_array_equal(y, y_sep)
+  np.testing.assert_array_equal(ds, ds_sep)
+  # The float32 sum: the norm's dx from the same FP8 residuals, in float32,
+  # plus g_x. The separate sum rounds twice (the norm's dx, then the sum),
+  # the fused one once: closer, and within one rounding of the other.
+  _, codes, scales, rstd, _ = norm_reference.rms_norm_fp8_fwd(
+      x, scale, 1e-5, scale_dtype=jnp.float8_e8m0fnu)
+  dnorm = np.asarray(norm_reference.rms_norm_fp8_bwd(
+      codes, scales, rstd, scale, g_y.astype(jnp.float32))[0])
+  exact = dnorm + np.asarray(g_x, np.float32)
+  dx32, dx_sep32 = (np.asarray(a, np.float32) for a in (dx, dx_sep))
+  assert np.isfinite(dx32).all() and dx.dtype == jnp.bfloat16
+  assert (np.abs(dx32 - exact) <= 2**-8 * np.abs(exact) + 1e-6).all()
+  assert (np.abs(dx32 - dx_sep32)
+          <= 2**-7 * (np.abs(dnorm) + np.abs(exact)) + 1e-6).all()
+  assert np.abs(dx32 - exact).mean() < np.abs(dx_sep32 - exact).mean()
+
+
+@pytest.mark.parametrize('precision', ['bf16', 'coat'])
+def test_with_input_module(precision):
+  norm = cnn.CoatRMSNorm(64, precision=precision, rngs=nnx.Rngs(0))
+  x = jax.random.normal(_key(), (3, 5, 64), jnp.bfloat16)
+  x_out, y = nnx.jit(lambda m, x: m.with_input(x))(norm, x)
+  np.testing.assert_array_equal(x_out, x)
+  np.testing.assert_array_equal(y, nnx.jit(lambda m, x: m(x))(norm, x))
 
 
 @pytest.mark.parametrize('precision', ['bf16', 'coat'])
