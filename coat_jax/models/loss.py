@@ -57,7 +57,8 @@ def chunked_cross_entropy(
   if pad:
     h = jnp.pad(h, ((0, pad), (0, 0)))
     t = jnp.pad(t, (0, pad), constant_values=-1)
-  totals = _chunk_totals(h, head, t, chunk, token_axes, jnp.dtype(dtype))
+  totals = _chunk_totals(h, head, t, chunk, token_axes, jnp.dtype(dtype),
+                         jnp.dtype(head.dtype))
   return totals[0], totals[1]
 
 
@@ -106,10 +107,12 @@ def _logits_and_totals(h_c, w, t_c):
   return logits, lse, valid, jnp.sum(per_token, axis=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunk_totals(h, head, t, chunk, token_axes, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunk_totals(h, head, t, chunk, token_axes, dtype, head_dtype):
   """[loss sum, count] (float32) of (T, H) h in dtype against (T,) targets
-  t, T a multiple of chunk, through the (H, V) head cast to dtype."""
+  t, T a multiple of chunk, through the (H, V) head (head_dtype) cast to
+  dtype."""
+  del head_dtype
   w = head.astype(dtype)
 
   def body(_, xs):
@@ -120,7 +123,8 @@ def _chunk_totals(h, head, t, chunk, token_axes, dtype):
   return jnp.sum(totals, axis=0)
 
 
-def _chunk_totals_fwd(h, head, t, chunk, token_axes, dtype):
+def _chunk_totals_fwd(h, head, t, chunk, token_axes, dtype, head_dtype):
+  del head_dtype
   # The loss is the last op of the step, so its gradients are known in
   # forward up to the cotangent (a scalar): each chunk's d loss_sum / d
   # logits (softmax - one-hot, rounded to dtype so that both GEMMs run in
@@ -146,16 +150,15 @@ def _chunk_totals_fwd(h, head, t, chunk, token_axes, dtype):
   dw = jnp.zeros(w.shape, jnp.float32)
   dw, (totals, dh) = jax.lax.scan(
       body, dw, (_chunks(h, chunk, token_axes), _chunks(t, chunk, token_axes)))
-  return jnp.sum(totals, axis=0), (_unchunks(dh, token_axes),
-                                   dw.astype(head.dtype))
+  return jnp.sum(totals, axis=0), (_unchunks(dh, token_axes), dw)
 
 
-def _chunk_totals_bwd(chunk, token_axes, dtype, residuals, g):
+def _chunk_totals_bwd(chunk, token_axes, dtype, head_dtype, residuals, g):
   del chunk, token_axes, dtype
-  dh, dw = residuals
+  dh, dw = residuals  # dw float32, rounded once, to the head's dtype
   scale = g[0]  # the count has no gradient
   return ((dh.astype(jnp.float32) * scale).astype(dh.dtype),
-          (dw * scale).astype(dw.dtype), None)
+          (dw * scale).astype(head_dtype), None)
 
 
 _chunk_totals.defvjp(_chunk_totals_fwd, _chunk_totals_bwd)

@@ -109,3 +109,17 @@ def test_gradients_scale_with_the_cotangent():
   g_count = jax.grad(lambda w: chunked_cross_entropy(
       hidden, w, targets, chunk_size=4)[1])(head)
   np.testing.assert_array_equal(g_count, 0.0)
+
+
+def test_a_bf16_head_gets_a_bf16_gradient_rounded_once():
+  hidden, head, targets = _inputs(2, 9, 16, 48)
+  head16 = head.astype(jnp.bfloat16)
+  loss_fn = lambda w: chunked_cross_entropy(hidden, w, targets,
+                                            chunk_size=4)[0] / 17.0
+  g16 = jax.grad(loss_fn)(head16)
+  g32 = jax.grad(loss_fn)(head16.astype(jnp.float32))
+  assert g16.dtype == jnp.bfloat16
+  # The float32 gradient (same bf16 values of the head), scaled, then
+  # rounded once to bfloat16.
+  np.testing.assert_array_equal(np.asarray(g16),
+                                np.asarray(g32.astype(jnp.bfloat16)))
