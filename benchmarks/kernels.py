@@ -320,7 +320,8 @@ def bench_fused(results, quick):
 
   Logical bytes per element (each read or written once): norm forward
   reads x (2) and writes y (2), codes (1) and bf16 scales (2 / 16); norm
-  backward reads codes, scales, g and writes dx: 5.125 each. SwiGLU
+  backward reads codes, scales, g and the residual stream's gradient (as
+  in the decoder layer) and writes dx: 7.125 each. SwiGLU
   forward reads gate and up (4), writes h (2) and two codes + scales
   (2.25); backward reads those groups and dh, writes dgate and dup: 8.25.
   """
@@ -336,6 +337,13 @@ def bench_fused(results, quick):
                                      (4096, 8, 4), (8192, 4, 16))]
     swiglu_configs += [swiglu_pallas.BlockSizes(target=t, num_warps=w)
                        for t, w in ((2048, 4), (8192, 8), (4096, 8))]
+  # None: the backward's own default (`bwd_block_sizes`).
+  norm_bwd_configs = [None]
+  if not quick:
+    norm_bwd_configs += [
+        norm_pallas.BlockSizes(block_rows=r, steps=s, num_warps=w)
+        for r, s, w in ((2, 8, 8), (1, 8, 4), (1, 8, 16), (4, 2, 4),
+                        (1, 4, 8))]
   key = jax.random.split(jax.random.key(8), 4)
   for hidden, inter in FUSED_SHAPES:
     for width in (hidden, inter):
@@ -350,32 +358,38 @@ def bench_fused(results, quick):
     x = jax.random.normal(key[0], (m, hidden), jnp.bfloat16) * 3
     scale = jax.random.uniform(key[1], (hidden,), jnp.float32, 0.5, 1.5)
     g = jax.random.normal(key[2], (m, hidden), jnp.bfloat16)
+    r = jax.random.normal(key[3], (m, hidden), jnp.bfloat16)
     _, codes, scales, rstd, _ = jax.jit(
         lambda x, s: norm_reference.rms_norm_fp8_fwd(x, s, 1e-5))(x, scale)
     nbytes = x.size * 5.125
+    bwd_bytes = x.size * 7.125
     fwd = f'rms_norm_fp8 fwd ({m}, {hidden})'
     bwd = f'rms_norm_fp8 bwd ({m}, {hidden})'
     results.append(dict(name=fwd, impl='xla', bytes=nbytes, copy=copy_h,
                         s=time_call(jax.jit(
                             lambda x, s: norm_reference.rms_norm_fp8_fwd(
                                 x, s, 1e-5)), (x, scale), **timing)))
-    results.append(dict(name=bwd, impl='xla', bytes=nbytes, copy=copy_h,
-                        s=time_call(jax.jit(norm_reference.rms_norm_fp8_bwd),
-                                    (codes, scales, rstd, scale, g),
-                                    **timing)))
+    norm_bwd = lambda *a, **kw: norm_reference.rms_norm_fp8_bwd(
+        *a[:5], residual_grad=a[5], **kw)
+    bwd_args = (codes, scales, rstd, scale, g, r)
+    results.append(dict(name=bwd, impl='xla', bytes=bwd_bytes, copy=copy_h,
+                        s=time_call(jax.jit(norm_bwd), bwd_args, **timing)))
     for bs in norm_configs:
       f = jax.jit(lambda x, s, bs=bs: norm_pallas.rms_norm_fp8_fwd(
           x, s, 1e-5, block_sizes=bs, interpret=_INTERPRET))
       results.append(dict(name=fwd, impl='pallas', config=str(bs),
                           bytes=nbytes, copy=copy_h,
                           s=time_call(f, (x, scale), **timing)))
+    for bs in norm_bwd_configs:
       f = jax.jit(lambda *a, bs=bs: norm_pallas.rms_norm_fp8_bwd(
-          *a, block_sizes=bs, interpret=_INTERPRET))
-      results.append(dict(name=bwd, impl='pallas', config=str(bs),
-                          bytes=nbytes, copy=copy_h,
-                          s=time_call(f, (codes, scales, rstd, scale, g),
-                                      **timing)))
-    del x, g, codes, scales, rstd
+          *a[:5], residual_grad=a[5], block_sizes=bs,
+          interpret=_INTERPRET))
+      results.append(dict(name=bwd, impl='pallas',
+                          config=str(bs or norm_pallas.bwd_block_sizes(
+                              hidden)),
+                          bytes=bwd_bytes, copy=copy_h,
+                          s=time_call(f, bwd_args, **timing)))
+    del x, g, r, codes, scales, rstd
     # SwiGLU (m, inter).
     gate = jax.random.normal(key[0], (m, inter), jnp.bfloat16) * 3
     up = jax.random.normal(key[1], (m, inter), jnp.bfloat16)
