@@ -14,9 +14,11 @@ recorded as 'does not fit' while the sweep goes on. Modes:
 and variants `name=mode:section.field=value,...` (the overrides go through
 `coat_jax.training.apply_overrides`, e.g. model.remat=full).
 
-Every point runs on one device. Per point: tokens/s from the median step
-time (>= 2 s of warm-up, then --steps timed steps, each blocked on), model
-TFLOP/s, peak device memory (`memory_stats()['peak_bytes_in_use']`),
+Every point runs on one device. Per point: tokens/s from the step time of
+a train loop (>= 2 s of warm-up, then runs of 4 steps dispatched back to
+back as train.py's loop does, blocked on once: `step_profile.step_times`;
+the median step blocked on alone, which adds the host's dispatch, is kept
+as step_ms_blocked), model TFLOP/s, peak device memory (`memory_stats()['peak_bytes_in_use']`),
 compile time, and with --profile the GPU kernel time per op class
 (benchmarks/step_profile.py's classifier). Each process runs with
 XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction (default 0.97: XLA may use
@@ -174,8 +176,8 @@ def run_point(p: dict) -> dict:
     start = time.perf_counter()
     compiled = step.lower(state, *batch).compile()
     compile_s = time.perf_counter() - start
-    seconds, state = step_profile.step_times(compiled, state, batch,
-                                             p['steps'])
+    seconds, blocked_s, state = step_profile.step_times(
+        compiled, state, batch, p['steps'])
     state, metrics = compiled(state, *batch)
     loss = float(metrics['loss'])
     kernel_ms = None
@@ -195,7 +197,8 @@ def run_point(p: dict) -> dict:
   flops = model_flops(cfg, p['batch'], p['seq'])
   return dict(
       device=device.device_kind, jax=jax.__version__,
-      step_ms=seconds * 1e3, tokens_per_s=tokens_per_step / seconds,
+      step_ms=seconds * 1e3, step_ms_blocked=blocked_s * 1e3,
+      tokens_per_s=tokens_per_step / seconds,
       model_tflops=flops / seconds / 1e12, model_flops=flops,
       peak_bytes=stats.get('peak_bytes_in_use'),
       device_bytes=stats.get('bytes_limit'), compile_s=compile_s,

@@ -233,8 +233,8 @@ def run_train_point(p: dict) -> dict:
     compiled = setup.train_step.lower(state, *batch).compile()
     compile_s = time.perf_counter() - start
     hlo = summarize(collectives(compiled.as_text()))
-    seconds, state = step_profile.step_times(compiled, state, batch,
-                                             p['steps'])
+    seconds, _, state = step_profile.step_times(compiled, state, batch,
+                                                p['steps'])
     state, metrics = compiled(state, *batch)
     loss = float(metrics['loss'])
   peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use')

@@ -220,12 +220,15 @@ def _causal_attention(q, k, v) -> tuple[jax.Array, bool]:
 
 
 class Attention(nnx.Module):
-  """Causal GQA self-attention with RoPE; projections are CoatLinear."""
+  """Causal GQA self-attention with RoPE; projections are CoatLinear.
+
+  fuse_qkv: in FP8 modes with 'tensor' scaling, q/k/v_proj run as one
+  fused projection (see `Llama`)."""
 
   def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
                param_dtype: Any, implementation: str | None,
                fp8_weight_gather: bool = False, rngs: nnx.Rngs,
-               scaling: str = 'tensor'):
+               scaling: str = 'tensor', fuse_qkv: bool = True):
     h, d = config.hidden_size, config.head_dim
     kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
               precision=precision, implementation=implementation,
@@ -242,17 +245,20 @@ class Attention(nnx.Module):
     self.num_heads = config.num_heads
     self.num_kv_heads = config.num_kv_heads
     self.head_dim = d
+    self.fuse_qkv = fuse_qkv
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *,
-               reuse_output: bool = True):
+               reuse_output: bool = True, x_amax: jax.Array | None = None):
     """(B, S, H) -> (B, S, H); cos/sin (S, head_dim // 2).
 
     reuse_output: where flash attention keeps its output o for backward,
     the out projection saves that o instead of an FP8 copy of its own.
+    x_amax: max |x| if its producer computed it (`fp8_dense`).
     """
     b, s, _ = x.shape
     q, k, v = remat_lib.name(
-        linear.fanout(x, [self.q_proj, self.k_proj, self.v_proj]),
+        linear.fanout(x, [self.q_proj, self.k_proj, self.v_proj],
+                      fused=self.fuse_qkv, x_amax=x_amax),
         remat_lib.QKV_PROJ)
     q = apply_rope(q.reshape(b, s, self.num_heads, self.head_dim), cos, sin)
     k = apply_rope(k.reshape(b, s, self.num_kv_heads, self.head_dim), cos, sin)
@@ -271,14 +277,15 @@ class DecoderLayer(nnx.Module):
   def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
                param_dtype: Any, implementation: str | None,
                fp8_weight_gather: bool = False, rngs: nnx.Rngs,
-               scaling: str = 'tensor'):
+               scaling: str = 'tensor', fuse_qkv: bool = True):
     kw = dict(precision=precision, dtype=dtype, param_dtype=param_dtype)
     gather = dict(implementation=implementation,
                   fp8_weight_gather=fp8_weight_gather)
     self.attn_norm = CoatRMSNorm(
         config.hidden_size, epsilon=config.rms_norm_eps, scale_axes=('norm',),
         rngs=rngs, **kw)
-    self.attn = Attention(config, rngs=rngs, scaling=scaling, **gather, **kw)
+    self.attn = Attention(config, rngs=rngs, scaling=scaling,
+                          fuse_qkv=fuse_qkv, **gather, **kw)
     self.mlp_norm = CoatRMSNorm(
         config.hidden_size, epsilon=config.rms_norm_eps, scale_axes=('norm',),
         rngs=rngs, **kw)
@@ -291,10 +298,11 @@ class DecoderLayer(nnx.Module):
                reuse_attention_output: bool = True):
     """(B, S, H) bf16 residual stream -> same. reuse_attention_output: see
     `Attention`."""
-    x, h = self.attn_norm.with_input(x)
-    x = x + self.attn(h, cos, sin, reuse_output=reuse_attention_output)
-    x, h = self.mlp_norm.with_input(x)
-    return x + self.mlp(h)
+    x, h, h_amax = self.attn_norm.with_input(x)
+    x = x + self.attn(h, cos, sin, reuse_output=reuse_attention_output,
+                      x_amax=h_amax)
+    x, h, h_amax = self.mlp_norm.with_input(x)
+    return x + self.mlp(h, x_amax=h_amax)
 
 
 class Llama(nnx.Module):
@@ -311,13 +319,17 @@ class Llama(nnx.Module):
       weights, not their float32 shards (FP8 modes; `coat_jax.nn.fsdp`).
     rngs: random number generators.
     scaling: FP8 scaling of the linear layers, 'tensor' or 'block'.
+    fuse_qkv: with 'tensor' scaling, run Q/K/V as one fused projection
+      (`fp8_dense`'s fused: one scale for the three weights and one for
+      their output gradients, one GEMM each way); False gives each its own
+      scales, as COAT's paper. The params are the same either way.
   """
 
   def __init__(self, config: LlamaConfig, *, precision: str = 'coat',
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
                implementation: str | None = None,
                fp8_weight_gather: bool = False, rngs: nnx.Rngs,
-               scaling: str = 'tensor'):
+               scaling: str = 'tensor', fuse_qkv: bool = True):
     precision_lib.check_precision(precision)
     precision_lib.check_scaling(scaling)
     if precision_lib.uses_fp8_matmuls(precision):
@@ -344,7 +356,7 @@ class Llama(nnx.Module):
                           param_dtype=param_dtype,
                           implementation=implementation,
                           fp8_weight_gather=fp8_weight_gather, rngs=rngs,
-                          scaling=scaling)
+                          scaling=scaling, fuse_qkv=fuse_qkv)
 
     self.layers = make_layers(rngs)
     # The final norm is BF16 in every mode (as in COAT).

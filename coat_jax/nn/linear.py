@@ -14,7 +14,12 @@ and the input is saved transposed.
 
 Several kernels may share one input (Q/K/V, gate/up): the input is then
 quantized and saved once, and the parts of its gradient are summed in its
-dtype (BF16), as a BF16 model's autodiff sums them.
+dtype (BF16), as a BF16 model's autodiff sums them. With `fused=True` they
+are one projection instead (the Llama's Q/K/V by default): one scale for
+the concatenated weights and one for the output gradients, each part of
+which is quantized straight into its columns
+(`quantize_per_tensor_parts`), so forward, dgrad and wgrad are one GEMM
+each.
 An input that its producer keeps for backward anyway (flash attention's
 output, the out projection's input) is reused (`reuse_input`): the layer
 saves it as it is and quantizes its transpose again in backward.
@@ -36,6 +41,7 @@ from typing import Any
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from coat_jax.nn import fsdp
 from coat_jax.nn import partitioning
@@ -55,15 +61,15 @@ default_bias_init = nnx.initializers.zeros_init()
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _fp8_dense_2d(x, kernels, x_amax, kernel_dtypes, implementation,
-                  gather_axes, reuse_input):
+                  gather_axes, reuse_input, fused):
   """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0.
   x_amax: max |x| (float32 scalar) or None to compute it. kernel_dtypes:
   the kernels' dtypes (their gradients'), as backward keeps their FP8 codes
-  only."""
+  only. fused: the kernels are one (K, sum N_i) projection (`fp8_dense`)."""
   return fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
-                          gather_axes, reuse_input)[0]
+                          gather_axes, reuse_input, fused)[0]
 
 
 def _gathered(values, gather_axes, i, transposed=False):
@@ -110,8 +116,13 @@ def _outputs_and_residuals(outs, kept, fp8, weights):
                 + (name_fp8_residuals(tuple(weights), FP8_WEIGHT),))
 
 
+def _split_columns(a, widths):
+  """a (R, sum widths) -> its column blocks (R, width) in order."""
+  return tuple(jnp.split(a, np.cumsum(widths)[:-1], axis=1))
+
+
 def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
-                     gather_axes, reuse_input):
+                     gather_axes, reuse_input, fused=False):
   """The forward rule of `fp8_dense` on (M, K) rows, M % 16 == 0: (outputs,
   residuals), for custom_vjps that run more around the GEMMs (the MLP's
   gate/up projections with SwiGLU, `coat_jax.nn.mlp`)."""
@@ -124,6 +135,9 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
     x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3', x_amax)
     # x^T (K, M), the K-major operand of wgrad (as many bytes as x).
     kept, fp8 = (), (x_t, x_scale)
+  widths = [w.shape[1] for w in kernels]
+  if fused:  # one (K, sum N_i) weight, one scale, one GEMM each way
+    kernels = (jnp.concatenate(kernels, axis=1),)
   outs, weights = [], []
   for i, w in enumerate(kernels):
     # Quantized once per step: backward multiplies the same codes (local
@@ -137,11 +151,13 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
         x_values, _gathered(w_t, gather_axes, i, transposed=True), x_scale,
         w_scale, out_dtype=x.dtype, implementation=implementation))
     weights.append((w_values, w_scale))
+  if fused:
+    outs = _split_columns(outs[0], widths)
   return _outputs_and_residuals(outs, kept, fp8, weights)
 
 
 def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
-                     reuse_input, residuals, grads, grad_amaxes=None):
+                     reuse_input, fused, residuals, grads, grad_amaxes=None):
   """The backward rule of `fp8_dense` on rows: (dx, dkernels, None).
   grad_amaxes: max |g| of each output gradient if their producer computed
   them (a Pallas kernel, which XLA cannot fuse the reduction into), else
@@ -162,12 +178,22 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   else:
     x_t, x_scale = saved
   dtype = grads[0].dtype
+  if fused:
+    # One (M, sum N_i) gradient with one scale, as the forward's weight,
+    # each part quantized into its columns (no concatenation written).
+    quantized = [tensor_quant.quantize_per_tensor_parts(
+        grads, 'e5m2', transpose=True, implementation=None,
+        amax=None if grad_amaxes is None else functools.reduce(
+            jnp.maximum, grad_amaxes))]
+  else:
+    quantized = [_quantize_with_transpose(
+        g, 'e5m2', None if grad_amaxes is None else grad_amaxes[i])
+                 for i, g in enumerate(grads)]
   dx = None
   dkernels = []
-  for i, ((w_values, w_scale), g, w_dtype) in enumerate(
-      zip(weights, grads, kernel_dtypes, strict=True)):
-    g_values, g_scale, g_t = _quantize_with_transpose(
-        g, 'e5m2', None if grad_amaxes is None else grad_amaxes[i])
+  for i, ((w_values, w_scale), (g_values, g_scale, g_t), w_dtype) in (
+      enumerate(zip(weights, quantized, kernel_dtypes[:len(weights)],
+                    strict=True))):
     part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i), g_scale,
                       w_scale, out_dtype=dtype, implementation=implementation)
     # Summed in dtype, as a BF16 model's autodiff sums them: XLA adds most
@@ -177,6 +203,8 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
     dkernels.append(fp8_matmul(
         x_t, g_t, x_scale, g_scale, out_dtype=w_dtype,
         implementation=implementation))
+  if fused:
+    dkernels = _split_columns(dkernels[0], [g.shape[1] for g in grads])
   return dx, tuple(dkernels), None  # x_amax: a statistic, no gradient
 
 
@@ -318,6 +346,7 @@ def fp8_dense(
     implementation: str | None = None, scaling: str = 'tensor',
     gather_axes: tuple[tuple[str | None, ...] | None, ...] | None = None,
     reuse_input: bool = False, x_amax: jax.Array | None = None,
+    fused: bool = False,
 ) -> tuple[jax.Array, ...]:
   """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
 
@@ -343,6 +372,14 @@ def fp8_dense(
     x_amax: max |x| (float32 scalar, no gradient) when x's producer already
       computed it (a Pallas kernel, into which XLA cannot fuse the
       reduction), else None; scaling 'tensor' only ('block' ignores it).
+    fused: the kernels form one projection (Q/K/V): one (K, sum N_i) E4M3
+      weight with one scale, their output gradients one (M, sum N_i) E5M2
+      tensor with one scale, so forward, dgrad and wgrad are one GEMM each
+      (no per-kernel dgrads to sum). The parts share their scales, as a
+      fused projection's (Megatron's linear_qkv); False gives each kernel
+      its own (COAT's paper). The kernels must share one dtype. Scaling
+      'tensor' only; ignored for one kernel, with 'block' and with
+      gather_axes.
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
@@ -368,8 +405,12 @@ def fp8_dense(
     if x_amax.shape != ():
       raise ValueError(f'x_amax has shape {x_amax.shape}; it must be the'
                        ' scalar max |x| (or None).')
+  fused = fused and len(kernels) > 1 and gather_axes is None
+  if fused and len(set(kernel_dtypes)) > 1:
+    raise ValueError(f'fused=True needs kernels of one dtype; got'
+                     f' {[str(d) for d in kernel_dtypes]}.')
   outs = _fp8_dense_2d(x2, kernels, x_amax, kernel_dtypes, implementation,
-                       gather_axes, reuse_input and not pad)
+                       gather_axes, reuse_input and not pad, fused)
   return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
 
 
@@ -388,18 +429,19 @@ def dense(
     dtype: Any = jnp.bfloat16, implementation: str | None = None,
     scaling: str = 'tensor', gather_axes: Any = None,
     reuse_input: bool = False, x_amax: jax.Array | None = None,
+    fused: bool = False,
 ) -> tuple[jax.Array, ...]:
   """`x @ w` for each kernel, with the implementation of `precision`.
 
   'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense` with
-  `scaling`, `gather_axes`, `reuse_input` and `x_amax` (BF16 matmuls ignore
-  them). x is cast to `dtype` first; outputs are in `dtype`.
+  `scaling`, `gather_axes`, `reuse_input`, `x_amax` and `fused` (BF16
+  matmuls ignore them). x is cast to `dtype` first; outputs are in `dtype`.
   """
   x = x.astype(dtype)
   if precision_lib.uses_fp8_matmuls(precision):
     return fp8_dense(x, kernels, implementation=implementation,
                      scaling=scaling, gather_axes=gather_axes,
-                     reuse_input=reuse_input, x_amax=x_amax)
+                     reuse_input=reuse_input, x_amax=x_amax, fused=fused)
   return bf16_dense(x, kernels, dtype=dtype)
 
 
@@ -504,13 +546,14 @@ def layer_kernels(
 
 def fanout(
     x: jax.Array, layers: Sequence[CoatLinear], *, reuse_input: bool = False,
-    x_amax: jax.Array | None = None,
+    x_amax: jax.Array | None = None, fused: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
   The layers must share precision, dtype, implementation, scaling and
   fp8_weight_gather (Q/K/V or gate/up projections). Returns one output per
-  layer. reuse_input, x_amax: see `fp8_dense`.
+  layer. reuse_input, x_amax, fused (one scale and one GEMM for all the
+  layers' kernels): see `fp8_dense`.
   """
   first = layers[0]
 
@@ -526,7 +569,7 @@ def fanout(
   outs = dense(x, kernels, precision=first.precision, dtype=first.dtype,
                implementation=first.implementation, scaling=first.scaling,
                reuse_input=reuse_input, x_amax=x_amax,
-               gather_axes=gather_axes)
+               gather_axes=gather_axes, fused=fused)
   return tuple(
       y + fsdp.gather_weight(layer.bias[...]).astype(y.dtype)
       if layer.bias is not None else y

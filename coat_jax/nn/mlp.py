@@ -70,17 +70,17 @@ def _fp8_swiglu_bwd(residuals, grads):
 _fp8_swiglu.defvjp(_fp8_swiglu_fwd, _fp8_swiglu_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fp8_gate_up_swiglu_2d(x, w_gate, w_up, kernel_dtypes, implementation,
-                           gather_axes):
-  return _fp8_gate_up_swiglu_fwd(x, w_gate, w_up, kernel_dtypes,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_gate_up_swiglu_2d(x, w_gate, w_up, x_amax, kernel_dtypes,
+                           implementation, gather_axes):
+  return _fp8_gate_up_swiglu_fwd(x, w_gate, w_up, x_amax, kernel_dtypes,
                                  implementation, gather_axes)[0]
 
 
-def _fp8_gate_up_swiglu_fwd(x, w_gate, w_up, kernel_dtypes, implementation,
-                            gather_axes):
+def _fp8_gate_up_swiglu_fwd(x, w_gate, w_up, x_amax, kernel_dtypes,
+                            implementation, gather_axes):
   (gate, up), dense_residuals = linear.fp8_dense_2d_fwd(
-      x, (w_gate, w_up), None, kernel_dtypes, implementation, gather_axes,
+      x, (w_gate, w_up), x_amax, kernel_dtypes, implementation, gather_axes,
       False)
   out, swiglu_residuals = _fp8_swiglu_fwd(gate, up)
   return out, (dense_residuals, swiglu_residuals)
@@ -91,9 +91,10 @@ def _fp8_gate_up_swiglu_bwd(kernel_dtypes, implementation, gather_axes,
   dense_residuals, swiglu_residuals = residuals
   dgate, dup, amax_dgate, amax_dup = _swiglu_grads(swiglu_residuals, grads)
   dx, (dw_gate, dw_up), _ = linear.fp8_dense_2d_bwd(
-      kernel_dtypes, implementation, gather_axes, False, dense_residuals,
+      kernel_dtypes, implementation, gather_axes, False, False,
+      dense_residuals,
       (dgate, dup), grad_amaxes=(amax_dgate, amax_dup))
-  return dx, dw_gate, dw_up
+  return dx, dw_gate, dw_up, None  # x_amax: a statistic, no gradient
 
 
 _fp8_gate_up_swiglu_2d.defvjp(_fp8_gate_up_swiglu_fwd,
@@ -104,6 +105,7 @@ def fp8_gate_up_swiglu(
     x: jax.Array, w_gate: jax.Array, w_up: jax.Array, *,
     implementation: str | None = None,
     gather_axes: tuple[Any, Any] | None = None,
+    x_amax: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """silu(x @ w_gate) * (x @ w_up) as `fp8_dense` (per-tensor scaling) and
   `fp8_swiglu` in one custom_vjp, saving what they save.
@@ -119,6 +121,7 @@ def fp8_gate_up_swiglu(
     implementation: `fp8_matmul`'s implementation.
     gather_axes: None, or the two kernels' logical axis names (FP8
       all-gathers under FSDP, see `fp8_dense`).
+    x_amax: max |x| if x's producer computed it, else None (`fp8_dense`).
 
   Returns:
     (h (..., I) in x.dtype, max |h| (float32 scalar, no gradient): the down
@@ -127,8 +130,10 @@ def fp8_gate_up_swiglu(
   kernels = (w_gate, w_up)
   linear.check_fp8_dense_args(x, kernels, gather_axes)
   x2, rows = linear.fp8_rows(x)
+  if x_amax is not None:
+    x_amax = jax.lax.stop_gradient(jnp.asarray(x_amax, jnp.float32))
   h, h_amax = _fp8_gate_up_swiglu_2d(
-      x2, w_gate, w_up, tuple(jnp.dtype(w.dtype) for w in kernels),
+      x2, w_gate, w_up, x_amax, tuple(jnp.dtype(w.dtype) for w in kernels),
       implementation, gather_axes)
   return h[:rows].reshape(x.shape[:-1] + (h.shape[1],)), h_amax
 
@@ -211,8 +216,10 @@ class CoatMLP(nnx.Module):
         hidden_features, in_features, kernel_axes=('mlp', 'embed'), **kwargs)
     self.precision = precision
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """(..., in_features) -> (..., in_features) in `dtype`."""
+  def __call__(self, x: jax.Array, *,
+               x_amax: jax.Array | None = None) -> jax.Array:
+    """(..., in_features) -> (..., in_features) in `dtype`. x_amax: max |x|
+    if x's producer computed it (`fp8_dense`)."""
     if (precision_lib.uses_fp8_activations(self.precision)
         and self.gate_proj.scaling == 'tensor'):
       kernels, gather_axes = linear.layer_kernels(
@@ -220,10 +227,11 @@ class CoatMLP(nnx.Module):
       h, h_amax = fp8_gate_up_swiglu(
           x.astype(self.gate_proj.dtype), *kernels,
           implementation=self.gate_proj.implementation,
-          gather_axes=gather_axes)
+          gather_axes=gather_axes, x_amax=x_amax)
       return self.down_proj(h, x_amax=h_amax)
     gate, up = checkpoint_name(
-        linear.fanout(x, [self.gate_proj, self.up_proj]), GATE_UP)
+        linear.fanout(x, [self.gate_proj, self.up_proj], x_amax=x_amax),
+        GATE_UP)
     if precision_lib.uses_fp8_activations(self.precision):
       h, h_amax = fp8_swiglu_with_amax(gate, up)
       return self.down_proj(h, x_amax=h_amax)

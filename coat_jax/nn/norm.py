@@ -53,14 +53,20 @@ def _fp8_rms_norm(x, scale, eps):
 
 
 def _fp8_rms_norm_fwd(x, scale, eps):
-  # XLA by default (faster in the step than the one-pass Pallas kernel,
-  # RESULTS.md "kernels-fused"); its amax |y| (out[4]) is unused.
-  y, codes, scales, rstd, _ = rms_norm_fp8_api.rms_norm_fp8_fwd(
+  (y, _), residuals = _fp8_rms_norm_with_amax_fwd(x, scale, eps)
+  return y, residuals
+
+
+def _fp8_rms_norm_with_amax_fwd(x, scale, eps):
+  """((y, max |y|), residuals): the amax, from the same pass and without
+  gradient, is the per-tensor scale of the GEMM that reads y."""
+  # The one-pass Pallas kernel on one Hopper GPU, XLA elsewhere.
+  y, codes, scales, rstd, y_amax = rms_norm_fp8_api.rms_norm_fp8_fwd(
       x, scale, eps, group_size=precision_lib.GROUP_SIZE,
       scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)
   xq = QuantizedArray(codes, scales, None, precision_lib.GROUP_SIZE)
-  y, residuals = with_residuals(y, (xq, rstd))
-  return y, residuals + (scale,)
+  outs, residuals = with_residuals((y, y_amax), (xq, rstd))
+  return outs, residuals + (scale,)
 
 
 def _fp8_rms_norm_bwd(eps, residuals, g, residual_grad=None):
@@ -79,16 +85,16 @@ _fp8_rms_norm.defvjp(_fp8_rms_norm_fwd, _fp8_rms_norm_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fp8_rms_norm_with_input(x, scale, eps):
-  return x, _fp8_rms_norm(x, scale, eps)
+  return _fp8_rms_norm_with_input_fwd(x, scale, eps)[0]
 
 
 def _fp8_rms_norm_with_input_fwd(x, scale, eps):
-  y, residuals = _fp8_rms_norm_fwd(x, scale, eps)
-  return (x, y), residuals
+  (y, y_amax), residuals = _fp8_rms_norm_with_amax_fwd(x, scale, eps)
+  return (x, y, y_amax), residuals
 
 
 def _fp8_rms_norm_with_input_bwd(eps, residuals, grads):
-  g_x, g_y = grads
+  g_x, g_y, _ = grads  # max |y| is a statistic: no gradient
   return _fp8_rms_norm_bwd(eps, residuals, g_y, residual_grad=g_x)
 
 
@@ -125,13 +131,15 @@ def _check_fp8_input(x: jax.Array, scale: jax.Array):
 
 def fp8_rms_norm_with_input(
     x: jax.Array, scale: jax.Array, eps: float = 1e-5
-) -> tuple[jax.Array, jax.Array]:
-  """(x, fp8_rms_norm(x)) for a pre-norm residual block x + f(norm(x)).
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(x, y = fp8_rms_norm(x), max |y|) for a pre-norm block x + f(norm(x)).
 
   The same values as `x, fp8_rms_norm(x, scale, eps)`; backward adds the
   gradient that reaches x along the residual stream into the norm's own
   backward pass (`rms_norm_fp8_bwd`'s residual_grad: one Pallas pass on a
   GPU, in float32 before dx is rounded) instead of in a separate add.
+  max |y| (a float32 scalar without gradient, from the norm's own pass) is
+  the `x_amax` of the FP8 GEMMs that read y: no amax pass over y.
   """
   _check_fp8_input(x, scale)
   return _fp8_rms_norm_with_input(x, scale, eps)
@@ -179,11 +187,13 @@ class CoatRMSNorm(nnx.Module):
       return fp8_rms_norm(x, self.scale[...], self.epsilon)
     return rms_norm(x, self.scale[...], self.epsilon)
 
-  def with_input(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(x, self(x)), for a pre-norm block x + f(self(x)): in 'coat' mode
-    (x in `dtype`) backward adds the residual stream's gradient inside the
-    norm's backward pass (`fp8_rms_norm_with_input`)."""
+  def with_input(
+      self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(x, y = self(x), max |y| or None), for a pre-norm block x + f(y): in
+    'coat' mode (x in `dtype`) backward adds the residual stream's gradient
+    inside the norm's backward pass, and max |y| comes from the norm's pass
+    (`fp8_rms_norm_with_input`); else None."""
     if (precision_lib.uses_fp8_activations(self.precision)
         and x.dtype == self.dtype):
       return fp8_rms_norm_with_input(x, self.scale[...], self.epsilon)
-    return x, self(x)
+    return x, self(x), None

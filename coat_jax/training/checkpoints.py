@@ -21,8 +21,8 @@ from coat_jax.training.config import ModelConfig
 _OPTIM_LAYOUT = ('name', 'group_size', 'moment_dtypes', 'expansion')
 # Model fields that change how a step runs, not what the state holds (a
 # resumed run may change them; model.init_from only seeds a new run).
-_MODEL_RUNTIME = ('fp8_weight_gather', 'remat', 'scaling', 'scan_layers',
-                  'init_from')
+_MODEL_RUNTIME = ('fp8_weight_gather', 'fuse_qkv', 'remat', 'scaling',
+                  'scan_layers', 'init_from')
 _MODEL_DEFAULTS = dataclasses.asdict(ModelConfig())
 
 

@@ -40,7 +40,7 @@ def llama_config(model: config_lib.ModelConfig) -> llama.LlamaConfig:
   overrides = {f.name: getattr(model, f.name)
                for f in dataclasses.fields(model)
                if f.name not in ('preset', 'precision', 'init_from', 'scaling',
-                                 'fp8_weight_gather')
+                                 'fuse_qkv', 'fp8_weight_gather')
                and getattr(model, f.name) is not None}
   if model.init_from is not None:
     return hf.llama_config_from_hf(hf.read_hf_config(model.init_from),
@@ -143,6 +143,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
     with nnx.use_eager_sharding(False):
       return llama.Llama(
           model_cfg, precision=precision, scaling=config.model.scaling,
+          fuse_qkv=config.model.fuse_qkv,
           fp8_weight_gather=config.model.fp8_weight_gather,
           rngs=nnx.Rngs(config.train.seed))
 

@@ -56,6 +56,50 @@ def quantize_per_tensor(
       x, dt, scale_dtype=sd, amax=amax, transpose=transpose)
 
 
+def quantize_per_tensor_parts(
+    parts, dtype: Any = 'e4m3', *, scale_dtype: Any = jnp.float32,
+    amax: jax.Array | None = None, transpose: bool = False,
+    implementation: str | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """`quantize_per_tensor(jnp.concatenate(parts, axis=1), ...)` without
+  writing the concatenation: the Pallas path quantizes each part straight
+  into its columns of the outputs (of a fused projection's gradient: the
+  parts come from different producers).
+
+  Args:
+    parts: 2-D (rows, n_i) floating arrays, same rows and dtype.
+    dtype, scale_dtype, transpose, implementation: as `quantize_per_tensor`.
+    amax: max |x| over all parts if known (e.g. the max of each producer's),
+      else None.
+
+  Returns:
+    (values (rows, sum n_i) FP8, scale () scale_dtype, values_t (sum n_i,
+    rows) FP8 or None).
+  """
+  parts = tuple(jnp.asarray(x) for x in parts)
+  if not parts or any(x.ndim != 2 or x.shape[0] != parts[0].shape[0]
+                      or x.dtype != parts[0].dtype for x in parts):
+    raise ValueError(
+        'parts must be one or more 2-D arrays with the same rows and dtype;'
+        f' got {[(x.shape, str(x.dtype)) for x in parts]}.')
+  if not jnp.issubdtype(parts[0].dtype, jnp.floating):
+    raise TypeError(f'parts have dtype {parts[0].dtype}; quantization needs'
+                    ' floating arrays.')
+  if amax is not None and jnp.shape(amax) != ():
+    raise ValueError(f'amax must be a scalar, got shape {jnp.shape(amax)}.')
+  dt = _common.fp8_dtype(dtype)
+  sd = group_reference.check_scale_dtype(scale_dtype)
+  impl, interpret = _common.resolve_implementation(
+      implementation, PALLAS_IS_DEFAULT)
+  if impl == 'pallas' and all(x.size for x in parts):
+    from pallas_kernels.quantize_per_tensor import pallas_triton
+    return pallas_triton.quantize_per_tensor_parts(
+        parts, dt, scale_dtype=sd, amax=amax, transpose=transpose,
+        interpret=interpret)
+  return reference.quantize_per_tensor_parts(
+      parts, dt, scale_dtype=sd, amax=amax, transpose=transpose)
+
+
 def tensor_amax(
     x: jax.Array, *, implementation: str | None = None
 ) -> jax.Array:

@@ -5,7 +5,9 @@ Two kernels over (block_rows, block_cols) tiles of the 2-D view (rows, cols):
 scaling": per-block maxima, then a tiny reduction in XLA), `_quantize_kernel`
 divides by the scale and writes the FP8 tile and, optionally, its transpose
 into a (cols, rows) array. Given the amax (from the producer), quantization is
-a single pass over x.
+a single pass over x. `quantize_per_tensor_parts` runs the quantize kernel
+once per part, each writing its columns of the shared outputs (aliased from
+one call to the next): no concatenation is written.
 """
 
 import dataclasses
@@ -143,3 +145,75 @@ def quantize_per_tensor(
   )(scale.reshape(1, 1), x.reshape(rows, cols))
   values = outs[0].reshape(shape)
   return values, scale, (outs[1] if transpose else None)
+
+
+def _column_block(block_cols: int, offsets) -> int:
+  """The largest power of two <= block_cols that divides every offset (a
+  tile then never straddles two parts)."""
+  bc = block_cols
+  while any(off % bc for off in offsets):
+    bc //= 2
+  return bc
+
+
+@functools.partial(
+    jax.jit, static_argnames=('dtype', 'scale_dtype', 'transpose',
+                              'block_sizes', 'interpret'))
+def quantize_per_tensor_parts(
+    parts: tuple[jax.Array, ...], dtype: Any = 'e4m3', *,
+    scale_dtype: Any = jnp.float32, amax: jax.Array | None = None,
+    transpose: bool = False, block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Pallas version of `reference.quantize_per_tensor_parts` (same
+  contract): one quantize call per part, into its columns of the outputs."""
+  dt = _common.fp8_dtype(dtype)
+  rows = parts[0].shape[0]
+  widths = [x.shape[1] for x in parts]
+  offsets = [sum(widths[:i]) for i in range(len(parts))]
+  if amax is None:
+    amax = jnp.max(jnp.stack([tensor_amax(x, interpret=interpret)
+                              for x in parts]))
+  scale = reference.scale_from_amax(
+      jnp.asarray(amax, jnp.float32), dt, scale_dtype)
+  br, bc = block_sizes.resolve(rows, max(widths), transpose)
+  bc = _column_block(bc, offsets)
+  out_shape = [jax.ShapeDtypeStruct((rows, sum(widths)), dt)]
+  if transpose:
+    out_shape.append(jax.ShapeDtypeStruct((sum(widths), rows), dt))
+  outs = None
+  for x, off in zip(parts, offsets):
+    grid, ncb = _grid(rows, x.shape[1], br, bc)
+    ob = off // bc
+    out_specs = [pl.BlockSpec((br, bc), lambda p, ob=ob, ncb=ncb: (
+        p // ncb, p % ncb + ob))]
+    if transpose:
+      out_specs.append(pl.BlockSpec((bc, br), lambda p, ob=ob, ncb=ncb: (
+          p % ncb + ob, p // ncb)))
+    kernel = functools.partial(
+        _quantize_kernel, rows=rows, cols=x.shape[1], ncb=ncb, dtype=dt,
+        transpose=transpose, ops=_common.kernel_ops(interpret))
+    inputs = [scale.reshape(1, 1), x]
+    in_specs = [pl.BlockSpec((1, 1), lambda p: (0, 0)),
+                pl.BlockSpec((br, bc), lambda p, ncb=ncb: (p // ncb,
+                                                           p % ncb))]
+    aliases = {}
+    if outs is not None:  # the earlier parts' outputs, written in place
+      aliases = {2 + k: k for k in range(len(outs))}
+      inputs += outs
+      in_specs += out_specs
+      kernel = functools.partial(_skip_refs, kernel, len(outs))
+    outs = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
+        name='quantize_per_tensor',
+    )(*inputs)
+  return outs[0], scale, (outs[1] if transpose else None)
+
+
+def _skip_refs(kernel, count, s_ref, x_ref, *refs):
+  """`kernel` on (s_ref, x_ref, outputs), past `count` aliased inputs that
+  it only writes through the outputs."""
+  kernel(s_ref, x_ref, *refs[count:])

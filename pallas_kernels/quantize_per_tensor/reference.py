@@ -60,3 +60,14 @@ def quantize_per_tensor(
   values = _common.saturate(x / scale.astype(jnp.float32), dt)
   values_t = as_matrix(values).T if transpose else None
   return values, scale, values_t
+
+
+def quantize_per_tensor_parts(
+    parts, dtype: Any = 'e4m3', *, scale_dtype: Any = jnp.float32,
+    amax: jax.Array | None = None, transpose: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """`quantize_per_tensor` of the columns of 2-D `parts` side by side:
+  (values (rows, sum n_i), one scale, values_t (sum n_i, rows) or None)."""
+  return quantize_per_tensor(jnp.concatenate(parts, axis=1), dtype,
+                             scale_dtype=scale_dtype, amax=amax,
+                             transpose=transpose)

@@ -15,13 +15,14 @@ from pallas_kernels import _common
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.rms_norm_fp8 import reference
 
-# Forward: False: one pass alone is 1.25-1.45x faster than XLA's
-# reference, yet the 1b train step was slower with it: XLA fuses the
-# residual add before each norm into its own passes (H200, RESULTS.md
-# "kernels-fused"). Backward: True: XLA needs three passes (row sums, dx,
-# dscale's column sums), the kernel one, with the residual stream's
-# gradient added in it (`residual_grad`).
-PALLAS_IS_DEFAULT = False
+# Forward: one pass (XLA: row sums, then y with x's groups and amax |y|,
+# then the group scales: ~93 us per norm in the 1b step, the kernel ~65);
+# the 1b coat step 1.3 ms faster with it since the norm hands amax |y| to
+# the GEMMs that read y (H200, RESULTS.md "e2e-1b"; before that hand-over
+# it was slower). Backward: XLA needs three passes (row sums, dx, dscale's
+# column sums), the kernel one, with the residual stream's gradient added
+# in it (`residual_grad`).
+PALLAS_IS_DEFAULT = True
 PALLAS_BWD_IS_DEFAULT = True
 # A whole row is one block: rows wider than this are left to XLA.
 MAX_PALLAS_COLS = 16384

@@ -259,6 +259,60 @@ def test_tensor_amax_given_back_gives_the_same_codes(implementation):
                              implementation=implementation), 3.0)
 
 
+PARTS_CASES = [  # rows, part widths, dtype
+    (48, (64, 16, 40), jnp.bfloat16),  # 64-wide tiles, then 16: one tile
+    (37, (24, 40), jnp.float32),  # offsets of 8: 8-wide tiles
+    (5, (3,), jnp.bfloat16),  # one part, narrower than a tile
+    (130, (256, 32, 33), jnp.bfloat16),  # the last part ends in a partial tile
+]
+
+
+@pytest.mark.parametrize('rows,widths,dtype', PARTS_CASES)
+def test_tensor_parts_match_the_concatenation(rows, widths, dtype,
+                                              implementation='pallas'):
+  """quantize_per_tensor_parts = quantize_per_tensor of the parts side by
+  side (the same kernel), bit for bit, each part quantized into its columns
+  (with the amax computed, and given as the max of the parts'). The kernel
+  itself against the jnp reference: test_tensor_kernel_matches_reference."""
+  seed = np.random.randint(1 << 30)
+  parts = [_data((rows, w), seed=seed + i).astype(dtype)
+           for i, w in enumerate(widths)]
+  parts[-1] = parts[-1] * 1e3  # the scale is the last part's
+  whole = jnp.concatenate(parts, axis=1)
+  for fmt, transpose, given in (('e5m2', True, False), ('e4m3', False, True),
+                                ('e5m2', True, True)):
+    amax = (jnp.max(jnp.stack([tensor_ref.tensor_amax(x) for x in parts]))
+            if given else None)
+    out = tensor_api.quantize_per_tensor_parts(
+        parts, fmt, amax=amax, transpose=transpose,
+        implementation=implementation)
+    ref = tensor_api.quantize_per_tensor(
+        whole, fmt, amax=amax, transpose=transpose,
+        implementation=implementation)
+    for a, b, what in zip(out, ref, ('values', 'scale', 'transpose')):
+      if b is None:
+        assert a is None
+      else:
+        _assert_same(a, b, what)
+
+
+def test_tensor_parts_special_values_and_errors():
+  parts = [jnp.ones((40, 16)), jnp.ones((40, 8)).at[3, 7].set(jnp.nan)]
+  values, scale, values_t = tensor_api.quantize_per_tensor_parts(
+      parts, transpose=True, implementation='pallas')
+  assert np.isnan(scale) and np.all(np.isnan(np.asarray(
+      values_t.astype(jnp.float32))))  # NaN in one part: all NaN, as one
+  zeros = tensor_api.quantize_per_tensor_parts(
+      [jnp.zeros((4, 8)), jnp.zeros((4, 16))], implementation='pallas')
+  assert zeros[1] == 1.0 and zeros[0].shape == (4, 24)
+  with pytest.raises(ValueError, match='same rows and dtype'):
+    tensor_api.quantize_per_tensor_parts([jnp.ones((4, 8)), jnp.ones((5, 8))])
+  with pytest.raises(ValueError, match='same rows and dtype'):
+    tensor_api.quantize_per_tensor_parts([jnp.ones((4, 8, 2))])
+  with pytest.raises(TypeError, match='floating'):
+    tensor_api.quantize_per_tensor_parts([jnp.ones((4, 8), jnp.int32)])
+
+
 def test_coat_jax_per_tensor_dispatches_to_the_kernel():
   x = _data((31, 77), seed=5)
   for fmt in ('e4m3', 'e5m2'):
@@ -339,3 +393,10 @@ def test_gpu_tensor_kernel_matches_xla(shape, dtype, transpose, given):
   test_tensor_kernel_matches_reference(
       shape, dtype, transpose, given,
       max_moved=1e-5 if dtype == jnp.float32 else 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('rows,widths,dtype', PARTS_CASES + [
+    (16384, (2048, 256, 256), jnp.bfloat16)])  # 1b's Q/K/V gradient
+def test_gpu_tensor_parts_match_the_concatenation(rows, widths, dtype):
+  test_tensor_parts_match_the_concatenation(rows, widths, dtype)

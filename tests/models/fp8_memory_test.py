@@ -86,7 +86,8 @@ def _grads(cfg, tokens):
 def test_out_projection_reuses_flash_attention_output(monkeypatch):
   """cuDNN flash attention keeps its output o for its backward; the out
   projection saves that o rather than an FP8 copy: H bytes per token less
-  per layer at the backward's start, the same gradients, bit for bit."""
+  per layer at the backward's start, the same gradients, bit for bit (but
+  the embedding's, summed in no fixed order)."""
   layers, batch, seq = 4, 4, 512
   cfg = cm.LlamaConfig.preset(
       'tiny', num_layers=layers, scan_layers=False, remat='none',
@@ -107,10 +108,17 @@ def test_out_projection_reuses_flash_attention_output(monkeypatch):
   print(f'step temp: {reused / 2**20:.1f} MiB reusing o, {copied / 2**20:.1f}'
         f' MiB with FP8 copies ({o_fp8 / 2**20:.1f} MiB a layer)')
   assert copied - reused >= 0.9 * (layers - 1) * o_fp8
-  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_copied)):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads),
+                          jax.tree.leaves(grads_copied)):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.isfinite(a).all()
-    np.testing.assert_array_equal(a, b)
+    if 'embed' in jax.tree_util.keystr(path):
+      # The embedding's gradient is a scatter-add, which the GPU sums in
+      # no fixed order (1-4 of its 262144 elements differed by an ulp).
+      np.testing.assert_allclose(a, b, rtol=1e-5,
+                                 atol=1e-6 * np.abs(b).max())
+    else:
+      np.testing.assert_array_equal(a, b)
 
 
 def test_forward_barrier_only_where_xla_quantizes(monkeypatch):

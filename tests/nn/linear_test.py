@@ -102,6 +102,69 @@ def test_fanout_shares_the_input_and_sums_dgrad():
       ((64, 48), 'float8_e4m3fn'), ((), 'float32')]
 
 
+@pytest.mark.parametrize('reuse_input', [False, True])
+def test_fused_is_one_concatenated_kernel_bit_for_bit(reuse_input):
+  """fused=True runs the kernels as one (K, sum N_i) projection: the same
+  bits as fp8_dense with the concatenated kernel (one weight scale, one
+  gradient scale, one GEMM each way), its outputs and wgrad split."""
+  k = jax.random.split(_key(), 6)
+  x = jax.random.normal(k[0], (2, 40, 64), jnp.bfloat16) * 3
+  # Magnitudes apart, so that per-kernel scales would give other codes.
+  ws = [jax.random.normal(k[1], (64, 32)),
+        jax.random.normal(k[2], (64, 16)) * 1e-2,
+        jax.random.normal(k[3], (64, 48)) * 0.3]
+  dys = [jax.random.normal(k[4], (2, 40, 32), jnp.bfloat16) * 1e-3,
+         jax.random.normal(k[5], (2, 40, 16), jnp.bfloat16),
+         jax.random.normal(k[5], (2, 40, 48), jnp.bfloat16) * 30]
+
+  @jax.jit
+  def run():
+    fused = lambda x, ws: cnn.fp8_dense(x, ws, fused=True,
+                                        reuse_input=reuse_input)
+    ys, vjp = jax.vjp(fused, x, ws)
+    dx, dws = vjp(tuple(dys))
+    one = lambda x, w: cnn.fp8_dense(x, [w], reuse_input=reuse_input)[0]
+    y1, vjp1 = jax.vjp(one, x, jnp.concatenate(ws, axis=1))
+    dx1, dw1 = vjp1(jnp.concatenate(dys, axis=-1))
+    sep = jax.vjp(lambda x, ws: cnn.fp8_dense(x, ws), x, ws)[1](tuple(dys))
+    return (ys, dx, dws), (y1, dx1, dw1), sep
+
+  (ys, dx, dws), (y1, dx1, dw1), (dx_sep, dws_sep) = run()
+  got = [np.concatenate([np.asarray(a, np.float32) for a in ys], -1), dx,
+         np.concatenate(dws, 1)]
+  for a, b in zip(got, (y1, dx1, dw1)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_array_equal(a, b)
+  assert [w.shape for w in dws] == [w.shape for w in ws]
+  # Per-kernel scales (the default) are other numbers, as close to float32.
+  assert not np.array_equal(np.asarray(dws[1]), np.asarray(dws_sep[1]))
+  ref = jax.vjp(lambda x, ws: tuple(_ref(x, w) for w in ws), x, ws)[1](
+      tuple(d.astype(jnp.float32) for d in dys))
+  for a, b, r in zip((dx, *dws), (dx_sep, *dws_sep), (ref[0], *ref[1])):
+    assert _rel(a, r) < 0.1 and _rel(b, r) < 0.1
+  # Saved: x's codes (or x), then one weight's codes and one scale.
+  res = cnn.saved_residuals(
+      lambda x, ws: cnn.fp8_dense(x, ws, fused=True,
+                                  reuse_input=reuse_input), x, ws)
+  kept = ([((80, 64), 'bfloat16'), ((), 'float32')] if reuse_input else
+          [((64, 80), 'float8_e4m3fn'), ((), 'float32')])
+  assert [(r.shape, str(r.dtype)) for r in res] == kept + [
+      ((64, 96), 'float8_e4m3fn'), ((), 'float32')]
+
+
+def test_fused_needs_one_dtype_and_leaves_block_scaling_alone():
+  x = jax.random.normal(_key(), (2, 16, 64), jnp.bfloat16)
+  w1, w2 = jnp.ones((64, 32)), jnp.ones((64, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match='fused=True needs kernels of one'):
+    cnn.fp8_dense(x, [w1, w2], fused=True)
+  ws = [jax.random.normal(_key(), (64, 32)), jnp.ones((64, 16))]
+  block = lambda fused: cnn.fp8_dense(x, ws, scaling='block', fused=fused)
+  for a, b in zip(block(True), block(False)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+
+
 def test_saves_only_fp8_codes_and_scales():
   x = jax.random.normal(_key(), (2, 40, 64), jnp.bfloat16)
   w = jnp.ones((64, 32))

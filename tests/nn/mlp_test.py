@@ -119,12 +119,20 @@ def test_coat_mlp_one_rule_matches_the_layers_composed():
   def layer(state, x):
     return nnx.merge(graph, state)(x)
 
-  got, want = (jax.jit(lambda s, x, f=f: (lambda y, vjp: (y, vjp(dy)))(
-      *jax.vjp(f, s, x)))(state, x) for f in (layer, composed))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+  def layer_given_amax(state, x):  # as the decoder layer's RMSNorm hands it
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    return nnx.merge(graph, state)(x, x_amax=amax)
+
+  got, want, given = (jax.jit(lambda s, x, f=f: (lambda y, vjp: (y, vjp(dy)))(
+      *jax.vjp(f, s, x)))(state, x)
+                      for f in (layer, composed, layer_given_amax))
+  for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                     jax.tree.leaves(given), strict=True):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a, np.float32),
                                   np.asarray(b, np.float32))
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(c, np.float32))
   mlp = nnx.merge(graph, state)
   kernels = [mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...]]
   h, h_amax = cnn.fp8_gate_up_swiglu(x, *kernels)

@@ -107,7 +107,7 @@ def test_with_input_adds_the_residual_gradient_before_rounding(
 
   def grads(fn, x, scale):
     out, vjp = jax.vjp(fn, x, scale)
-    return out, vjp((g_x, g_y))
+    return out[:2], vjp((g_x, g_y) + (jnp.float32(7.0),) * (len(out) - 2))
 
   grads = jax.jit(grads, static_argnums=0)
 
@@ -115,7 +115,7 @@ def test_with_input_adds_the_residual_gradient_before_rounding(
   separate = grads(lambda x, s: (x, cnn.fp8_rms_norm(x, s)), x, scale)
   jaxpr = str(jax.make_jaxpr(
       lambda x, s: jax.vjp(cnn.fp8_rms_norm_with_input, x, s)[1](
-          (g_x, g_y)))(x, scale))
+          (g_x, g_y, jnp.float32(0))))(x, scale))
   assert ('rms_norm_fp8_bwd' in jaxpr) == (implementation == 'pallas')
   (x_out, y), (dx, ds) = fused
   (_, y_sep), (dx_sep, ds_sep) = separate
@@ -142,9 +142,15 @@ def test_with_input_adds_the_residual_gradient_before_rounding(
 def test_with_input_module(precision):
   norm = cnn.CoatRMSNorm(64, precision=precision, rngs=nnx.Rngs(0))
   x = jax.random.normal(_key(), (3, 5, 64), jnp.bfloat16)
-  x_out, y = nnx.jit(lambda m, x: m.with_input(x))(norm, x)
+  x_out, y, y_amax = nnx.jit(lambda m, x: m.with_input(x))(norm, x)
   np.testing.assert_array_equal(x_out, x)
   np.testing.assert_array_equal(y, nnx.jit(lambda m, x: m(x))(norm, x))
+  if precision == 'bf16':
+    assert y_amax is None
+  else:  # the next GEMM's x_amax: max |y| exactly
+    assert y_amax.dtype == jnp.float32
+    np.testing.assert_array_equal(y_amax,
+                                  np.abs(np.asarray(y, np.float32)).max())
 
 
 @pytest.mark.parametrize('precision', ['bf16', 'coat'])

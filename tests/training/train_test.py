@@ -261,12 +261,14 @@ def test_checkpoint_of_an_older_config_and_runtime_changes_resume(
     path = glob.glob(os.path.join(step_dir, '*'))[0]
     with open(path) as f:
       saved = json.load(f)
-    for field in ('remat', 'scaling', 'init_from', 'fp8_weight_gather'):
+    for field in ('remat', 'scaling', 'init_from', 'fp8_weight_gather',
+                  'fuse_qkv'):
       saved['model'].pop(field, None)
     with open(path, 'w') as f:
       json.dump(saved, f)
   later = tiny_config(train={'run_dir': run, 'steps': 4},
-                      model={'remat': 'full', 'scan_layers': False})
+                      model={'remat': 'full', 'scan_layers': False,
+                             'fuse_qkv': False})
   summary, _ = _train(later, jax.devices()[:1])
   assert summary['resumed_from'] == 3 and summary['step'] == 4
 
