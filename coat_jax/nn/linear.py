@@ -135,10 +135,11 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
     x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3', x_amax)
     # x^T (K, M), the K-major operand of wgrad (as many bytes as x).
     kept, fp8 = (), (x_t, x_scale)
-  widths = [w.shape[1] for w in kernels]
-  if fused:  # one (K, sum N_i) weight, one scale, one GEMM each way
-    kernels = (jnp.concatenate(kernels, axis=1),)
-  outs, weights = [], []
+  # fused: one scale for all the kernels (their joint amax), one GEMM.
+  w_amax = (functools.reduce(jnp.maximum, [
+      tensor_quant.tensor_amax(w, implementation='xla') for w in kernels])
+            if fused else None)
+  outs, weights, w_ts = [], [], []
   for i, w in enumerate(kernels):
     # Quantized once per step: backward multiplies the same codes (local
     # shards under FSDP, gathered again there). XLA's quantizer: the
@@ -146,13 +147,18 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
     # "e2e-1b"), though it keeps XLA from making a transposed float32 copy
     # of the stacked weights under the layer scan (remat full: 2.7 GiB).
     w_values, w_scale, w_t = tensor_quant.quantize_per_tensor(
-        w, 'e4m3', transpose=True, implementation='xla')
-    outs.append(fp8_matmul(
-        x_values, _gathered(w_t, gather_axes, i, transposed=True), x_scale,
-        w_scale, out_dtype=x.dtype, implementation=implementation))
+        w, 'e4m3', amax=w_amax, transpose=True, implementation='xla')
+    w_ts.append(_gathered(w_t, gather_axes, i, transposed=True))
     weights.append((w_values, w_scale))
   if fused:
-    outs = _split_columns(outs[0], widths)
+    out = fp8_matmul(x_values, jnp.concatenate(w_ts, axis=0), x_scale,
+                     weights[0][1], out_dtype=x.dtype,
+                     implementation=implementation)
+    outs = _split_columns(out, [w.shape[1] for w in kernels])
+  else:
+    outs = [fp8_matmul(x_values, w_t, x_scale, w_scale, out_dtype=x.dtype,
+                       implementation=implementation)
+            for w_t, (_, w_scale) in zip(w_ts, weights)]
   return _outputs_and_residuals(outs, kept, fp8, weights)
 
 
@@ -178,6 +184,9 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   else:
     x_t, x_scale = saved
   dtype = grads[0].dtype
+  w_values = [_gathered(values, gather_axes, i)
+              for i, (values, _) in enumerate(weights)]
+  w_scales = [scale for _, scale in weights]
   if fused:
     # One (M, sum N_i) gradient with one scale, as the forward's weight,
     # each part quantized into its columns (no concatenation written).
@@ -185,17 +194,18 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
         grads, 'e5m2', transpose=True, implementation=None,
         amax=None if grad_amaxes is None else functools.reduce(
             jnp.maximum, grad_amaxes))]
+    w_values, w_scales = [jnp.concatenate(w_values, axis=1)], w_scales[:1]
   else:
     quantized = [_quantize_with_transpose(
         g, 'e5m2', None if grad_amaxes is None else grad_amaxes[i])
                  for i, g in enumerate(grads)]
   dx = None
   dkernels = []
-  for i, ((w_values, w_scale), (g_values, g_scale, g_t), w_dtype) in (
-      enumerate(zip(weights, quantized, kernel_dtypes[:len(weights)],
-                    strict=True))):
-    part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i), g_scale,
-                      w_scale, out_dtype=dtype, implementation=implementation)
+  for w, w_scale, (g_values, g_scale, g_t), w_dtype in zip(
+      w_values, w_scales, quantized, kernel_dtypes[:len(quantized)],
+      strict=True):
+    part = fp8_matmul(g_values, w, g_scale, w_scale, out_dtype=dtype,
+                      implementation=implementation)
     # Summed in dtype, as a BF16 model's autodiff sums them: XLA adds most
     # into the next GEMM's C operand (float32 parts and their casts: 1b
     # step 188.2 / 189.7 -> 185.9 ms on an H200, RESULTS.md "e2e-1b").
@@ -378,8 +388,7 @@ def fp8_dense(
       (no per-kernel dgrads to sum). The parts share their scales, as a
       fused projection's (Megatron's linear_qkv); False gives each kernel
       its own (COAT's paper). The kernels must share one dtype. Scaling
-      'tensor' only; ignored for one kernel, with 'block' and with
-      gather_axes.
+      'tensor' only; ignored for one kernel and with 'block'.
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
@@ -405,7 +414,7 @@ def fp8_dense(
     if x_amax.shape != ():
       raise ValueError(f'x_amax has shape {x_amax.shape}; it must be the'
                        ' scalar max |x| (or None).')
-  fused = fused and len(kernels) > 1 and gather_axes is None
+  fused = fused and len(kernels) > 1
   if fused and len(set(kernel_dtypes)) > 1:
     raise ValueError(f'fused=True needs kernels of one dtype; got'
                      f' {[str(d) for d in kernel_dtypes]}.')

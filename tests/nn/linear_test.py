@@ -143,14 +143,17 @@ def test_fused_is_one_concatenated_kernel_bit_for_bit(reuse_input):
       tuple(d.astype(jnp.float32) for d in dys))
   for a, b, r in zip((dx, *dws), (dx_sep, *dws_sep), (ref[0], *ref[1])):
     assert _rel(a, r) < 0.1 and _rel(b, r) < 0.1
-  # Saved: x's codes (or x), then one weight's codes and one scale.
+  # Saved: x's codes (or x), then each weight's codes with the shared scale
+  # (FSDP's FP8 gathers take each kernel's codes with its own axes).
   res = cnn.saved_residuals(
       lambda x, ws: cnn.fp8_dense(x, ws, fused=True,
                                   reuse_input=reuse_input), x, ws)
   kept = ([((80, 64), 'bfloat16'), ((), 'float32')] if reuse_input else
           [((64, 80), 'float8_e4m3fn'), ((), 'float32')])
   assert [(r.shape, str(r.dtype)) for r in res] == kept + [
-      ((64, 96), 'float8_e4m3fn'), ((), 'float32')]
+      ((64, 32), 'float8_e4m3fn'), ((), 'float32'),
+      ((64, 16), 'float8_e4m3fn'), ((), 'float32'),
+      ((64, 48), 'float8_e4m3fn'), ((), 'float32')]
 
 
 def test_fused_needs_one_dtype_and_leaves_block_scaling_alone():
