@@ -342,6 +342,18 @@ def check_fp8_dense_args(x, kernels, gather_axes=None) -> None:
                      f' are {len(kernels)} (one tuple of axis names each).')
 
 
+def given_amax(x_amax: jax.Array | None) -> jax.Array | None:
+  """A producer's max |x| as the float32 scalar statistic (no gradient) that
+  the FP8 rules take as `x_amax`; None stays None."""
+  if x_amax is None:
+    return None
+  x_amax = jax.lax.stop_gradient(jnp.asarray(x_amax, jnp.float32))
+  if x_amax.shape != ():
+    raise ValueError(f'x_amax has shape {x_amax.shape}; it must be the'
+                     ' scalar max |x| (or None).')
+  return x_amax
+
+
 def fp8_rows(x: jax.Array) -> tuple[jax.Array, int]:
   """(x as (M', K) rows zero-padded to a multiple of 16, M): FP8 GEMMs
   tile M by 16; zero rows add nothing to wgrad."""
@@ -409,11 +421,7 @@ def fp8_dense(
     return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
   x2, rows = fp8_rows(x)
   pad = x2.shape[0] - rows
-  if x_amax is not None:
-    x_amax = jax.lax.stop_gradient(jnp.asarray(x_amax, jnp.float32))
-    if x_amax.shape != ():
-      raise ValueError(f'x_amax has shape {x_amax.shape}; it must be the'
-                       ' scalar max |x| (or None).')
+  x_amax = given_amax(x_amax)
   fused = fused and len(kernels) > 1
   if fused and len(set(kernel_dtypes)) > 1:
     raise ValueError(f'fused=True needs kernels of one dtype; got'

@@ -130,10 +130,8 @@ def fp8_gate_up_swiglu(
   kernels = (w_gate, w_up)
   linear.check_fp8_dense_args(x, kernels, gather_axes)
   x2, rows = linear.fp8_rows(x)
-  if x_amax is not None:
-    x_amax = jax.lax.stop_gradient(jnp.asarray(x_amax, jnp.float32))
   h, h_amax = _fp8_gate_up_swiglu_2d(
-      x2, w_gate, w_up, x_amax, tuple(jnp.dtype(w.dtype) for w in kernels),
+      x2, w_gate, w_up, linear.given_amax(x_amax), tuple(jnp.dtype(w.dtype) for w in kernels),
       implementation, gather_axes)
   return h[:rows].reshape(x.shape[:-1] + (h.shape[1],)), h_amax
 
