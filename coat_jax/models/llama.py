@@ -92,7 +92,8 @@ class LlamaConfig:
     remat: the layer stack's remat policy, one of `remat.POLICIES`
       ('none', 'minimal', 'minimal_offloaded', 'full'; see
       `coat_jax.models.remat` for what each keeps), for scanned and unrolled
-      layers alike.
+      layers alike, or 'auto' (the default): 'none' for unrolled layers in
+      'coat' mode, 'minimal' otherwise (`remat.resolve`).
   """
 
   vocab_size: int = 32000
@@ -372,6 +373,9 @@ class Llama(nnx.Module):
           param_dtype, ('embed', 'vocab'))
     self.config = config
     self.precision = precision
+    # The policy the layer stack runs ('auto' resolved for this precision).
+    self.remat = remat_lib.resolve(config.remat, precision,
+                                   config.scan_layers)
     self.dtype = dtype
 
   def head_kernel(self) -> jax.Array:
@@ -408,7 +412,7 @@ class Llama(nnx.Module):
     if self.config.scan_layers:
       return self.norm(self._scan_layers(graphdef, stacked, x, cos, sin))
     apply_layer = remat_lib.apply(
-        lambda layer, x: layer(x, cos, sin), self.config.remat, in_scan=False)
+        lambda layer, x: layer(x, cos, sin), self.remat, in_scan=False)
     for i in range(self.config.num_layers):
       layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked)
                         if layers is None else layers[i])
@@ -441,7 +445,7 @@ class Llama(nnx.Module):
     apply_layer = remat_lib.apply(
         lambda xs, x: nnx.merge(graphdef, params(xs))(
             x, cos, sin, reuse_attention_output=False),
-        self.config.remat, in_scan=True)
+        self.remat, in_scan=True)
 
     def body(x, xs):
       return fsdp.shard_batch(apply_layer(xs, x)), None

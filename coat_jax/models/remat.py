@@ -17,6 +17,13 @@ follow MaxText's `remat_policy`:
   forward and back in backward (GPU only: needs host memory spaces).
 - 'full': keeps only each layer's input; backward reruns the layer's whole
   forward (about one extra forward pass of FLOPs).
+- 'auto' (the default): 'none' for unrolled layers in 'coat' mode, whose
+  custom_vjps already keep only FP8 residuals ('minimal' keeps the same
+  there and recomputes elementwise work: 1b, batch 8, H200: 20.13 vs 20.15
+  GiB, 169.4 vs 168.1 ms a step, benchmarks/RESULTS.md "e2e-1b"),
+  'minimal' otherwise (in 'bf16' and 'fp8_linear' it keeps less than
+  'none'; under the layer scan 'none' stacks every layer's FP8 weight
+  codes). `resolve` names the policy it stands for.
 
 Under the layer scan, 'minimal', 'minimal_offloaded' and 'full' requantize
 the weights in backward instead of keeping their FP8 codes: kept, scan
@@ -42,7 +49,8 @@ from coat_jax.nn.residuals import FP8_RESIDUAL
 from coat_jax.nn.residuals import FP8_WEIGHT
 
 POLICIES = ('none', 'minimal', 'minimal_offloaded', 'full')
-DEFAULT = 'minimal'
+AUTO = 'auto'  # a policy per precision and layout: `resolve`
+DEFAULT = AUTO
 
 # checkpoint_name tags of llama.py's values that 'minimal' keeps.
 QKV_PROJ = 'qkv_proj'
@@ -55,12 +63,24 @@ name = checkpoint_name
 
 
 def check_policy(policy: str, setting: str = 'remat') -> None:
-  """Raises ValueError naming `setting` unless `policy` is in POLICIES."""
-  if policy not in POLICIES:
+  """Raises ValueError naming `setting` unless `policy` is in POLICIES or
+  is 'auto'."""
+  if policy not in POLICIES + (AUTO,):
     raise ValueError(
         f'{setting}={policy!r} is not a remat policy: use one of {POLICIES}'
         " ('none' saves the most, 'full' the least; see"
-        ' coat_jax.models.remat).')
+        " coat_jax.models.remat) or 'auto' (the default).")
+
+
+def resolve(policy: str, precision: str, scan_layers: bool) -> str:
+  """The policy that `policy` names for a layer stack of `precision`
+  ('bf16', 'fp8_linear', 'coat'), scanned or unrolled: 'auto' becomes
+  'none' for unrolled 'coat' layers and 'minimal' elsewhere; the others
+  stay as they are."""
+  check_policy(policy)
+  if policy != AUTO:
+    return policy
+  return 'none' if precision == 'coat' and not scan_layers else 'minimal'
 
 
 def _minimal(prim, *_, **params) -> bool:
@@ -89,8 +109,12 @@ def _except_fp8_weights(policy):
 def jax_policy(policy: str, *, in_scan: bool = False
                ) -> Callable[..., object] | None:
   """The `jax.checkpoint` policy of a name (None for 'none': no remat) for
-  an unrolled layer or, with in_scan, a scan body."""
+  an unrolled layer or, with in_scan, a scan body ('auto': `resolve` it
+  first)."""
   check_policy(policy)
+  if policy == AUTO:
+    raise ValueError("remat='auto' stands for a policy per precision and"
+                     ' layout: pass resolve(policy, precision, scan_layers).')
   if policy == 'none':
     return None
   if policy == 'full':

@@ -44,7 +44,8 @@ class ModelConfig:
   # preset is ignored) and data.source=text uses its tokenizer.json.
   init_from: str | None = None
   # What each decoder layer keeps for backward: 'none', 'minimal',
-  # 'minimal_offloaded' (GPU) or 'full' (see coat_jax.models.remat).
+  # 'minimal_offloaded' (GPU) or 'full' (see coat_jax.models.remat), or
+  # 'auto': 'none' for unrolled layers in 'coat' mode, else 'minimal'.
   remat: str = remat_lib.DEFAULT
 
 

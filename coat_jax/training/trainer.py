@@ -127,14 +127,40 @@ class Setup:
   lower_train_step: Any = None
 
 
+# XLA_FLAGS under which jax 0.11.2 fails to run a GPU program that holds
+# cuDNN flash attention's backward more than once (IndexError: absl ...
+# raw_hash_map<>::at, at the first step; H200, 2026-11-26): unrolled
+# layers do, a layer scan holds one.
+_DETERMINISTIC_FLAGS = ('--xla_gpu_deterministic_ops',
+                        '--xla_gpu_exclude_nondeterministic_ops')
+
+
+def check_deterministic_layers(model: llama.LlamaConfig,
+                               platform: str) -> None:
+  """Raises ValueError naming the fix where XLA_FLAGS asks for XLA's
+  deterministic GPU ops and the step would run unrolled layers there."""
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
+           if f.split('=')[0] in _DETERMINISTIC_FLAGS
+           and f.split('=', 1)[-1].lower() not in ('false', '0')]
+  if flags and platform == 'gpu' and model.num_layers > 1 and not (
+      model.scan_layers):
+    raise ValueError(
+        f'XLA_FLAGS has {flags[0]}, under which jax 0.11.2 fails at the'
+        ' first step with unrolled layers (cuDNN flash attention\'s backward'
+        ' more than once in one program): set model.scan_layers=true (the'
+        ' same model under a layer scan, which runs), or drop the flag.')
+
+
 def build(config: config_lib.Config, devices=None) -> Setup:
   """Builds the mesh, model, optimizer and jitted steps for `config`."""
   devices = jax.devices() if devices is None else devices
   config_lib.validate(config, len(devices))
-  remat_lib.jax_policy(config.model.remat)  # offloading needs a GPU
+  model_cfg = llama_config(config.model)
+  remat_lib.jax_policy(remat_lib.resolve(  # offloading needs a GPU
+      config.model.remat, config.model.precision, model_cfg.scan_layers))
+  check_deterministic_layers(model_cfg, devices[0].platform)
   mesh = sharding.make_mesh(
       config_lib.mesh_shape(config.mesh, len(devices)), devices)
-  model_cfg = llama_config(config.model)
   precision = config.model.precision
 
   def make_model():

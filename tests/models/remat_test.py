@@ -123,7 +123,7 @@ def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
   # scanned bf16 train step's temp went 1946.9 -> 1892.9 MiB (-L x params x
   # 2 bytes), unrolled 1534.9 either way. CPU stacks bf16 residuals as
   # float32, so the scanned step stays above the unrolled one here.
-  assert cm.LlamaConfig().remat == remat.DEFAULT == 'minimal'
+  assert cm.LlamaConfig().remat == remat.DEFAULT == 'auto'
   dims = dict(num_layers=4, hidden_size=128, intermediate_size=352)
   temp = {scan: step_memory.temp_bytes(
       cm.LlamaConfig.preset('tiny', scan_layers=scan, **dims), precision,
@@ -160,6 +160,22 @@ def test_fp8_weight_codes_kept_unrolled_and_recomputed_under_scan(
       a[0], [a[1], a[2]])), argnums=(1, 2))(x, w1, w2)
   for g, g0 in zip(grads, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(g0))
+
+
+def test_auto_is_none_for_unrolled_coat_layers_and_minimal_elsewhere():
+  """'auto', the default: in 'coat' mode unrolled layers keep the same with
+  'minimal' as with 'none' (FP8 residuals only; 1b on an H200: 20.13 vs
+  20.15 GiB) and would only recompute; the model runs what it resolves to."""
+  for precision in MODES:
+    for scan in (False, True):
+      want = 'none' if (precision, scan) == ('coat', False) else 'minimal'
+      assert remat.resolve('auto', precision, scan) == want
+      assert remat.resolve('full', precision, scan) == 'full'
+      cfg = cm.LlamaConfig.preset('tiny', num_layers=1, scan_layers=scan)
+      model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
+      assert model.remat == want
+  with pytest.raises(ValueError, match="resolve"):
+    remat.jax_policy('auto')
 
 
 def test_bad_policy_names():

@@ -51,7 +51,7 @@ def test_a_run_that_does_not_fit_is_refused_before_training(
   monkeypatch.setattr(memory, 'device_limit', lambda: 1 << 20)
   config = tiny_config()
   with pytest.raises(ValueError, match=r'train\.batch_size=8, model\.remat='
-                     r"'minimal'.*smaller train\.batch_size.*model\.remat"
+                     r"'auto'.*smaller train\.batch_size.*model\.remat"
                      r'.*mesh\.fsdp'):
     training.train(config, devices=ONE)
   assert not os.path.exists(config.train.run_dir)  # nothing was started

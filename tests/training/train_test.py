@@ -273,6 +273,24 @@ def test_checkpoint_of_an_older_config_and_runtime_changes_resume(
   assert summary['resumed_from'] == 3 and summary['step'] == 4
 
 
+def test_deterministic_gpu_ops_need_the_layer_scan(monkeypatch):
+  """XLA's deterministic GPU ops fail at run time with unrolled layers (jax
+  0.11.2): the config is refused before compiling, naming the fix."""
+  unrolled = llama.LlamaConfig.preset('tiny', scan_layers=False)
+  scanned = llama.LlamaConfig.preset('tiny', scan_layers=True)
+  for flags in ('--xla_gpu_deterministic_ops=true',
+                '--xla_foo=1 --xla_gpu_exclude_nondeterministic_ops'):
+    monkeypatch.setenv('XLA_FLAGS', flags)
+    with pytest.raises(ValueError, match='set model.scan_layers=true'):
+      trainer.check_deterministic_layers(unrolled, 'gpu')
+    trainer.check_deterministic_layers(scanned, 'gpu')
+    trainer.check_deterministic_layers(unrolled, 'cpu')
+    trainer.check_deterministic_layers(
+        llama.LlamaConfig.preset('tiny', num_layers=1), 'gpu')
+  monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_deterministic_ops=false')
+  trainer.check_deterministic_layers(unrolled, 'gpu')
+
+
 def test_half_written_checkpoint_leaves_the_previous_loadable(tiny_config,
                                                               tmp_path):
   run = str(tmp_path / 'run')
