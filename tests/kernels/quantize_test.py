@@ -223,6 +223,39 @@ def test_tensor_kernel_matches_reference(shape, dtype, transpose, given,
       assert out[2] is None
 
 
+def test_tensor_kernel_fresh_inputs_differ_only_at_float32_ties(seed=None):
+  """Fresh random bf16 inputs over a wide range: the interpreted kernel
+  gives the reference's codes except at float32 ties, where x / scale or
+  x * (1 / scale) lies exactly halfway between two FP8 codes. XLA:CPU
+  computes the kernel's division as x * (1 / scale) and the reference's
+  as a division; the two differ by a float32 ulp, so where one of them
+  is the tie (rounded to even) and the other is not, each picks a
+  different neighbour. (On the GPU both multiply by the reciprocal: the
+  `gpu` tests compare bit for bit.)"""
+  seed = np.random.randint(1 << 30) if seed is None else seed
+  rng = np.random.default_rng(seed)
+  shape = (int(rng.integers(1, 200)), int(rng.integers(1, 300)))
+  x = jnp.asarray(rng.standard_normal(shape) * np.exp(rng.uniform(
+      -8, 8, shape)), jnp.bfloat16)
+  for fmt in ('e4m3', 'e5m2'):
+    ref = jax.jit(lambda x: tensor_ref.quantize_per_tensor(
+        x, fmt, transpose=True))(x)
+    out = tensor_api.quantize_per_tensor(x, fmt, transpose=True,
+                                         implementation='pallas')
+    _assert_same(out[1], ref[1], 'scale')
+    _assert_same(out[2], tensor_ref.as_matrix(out[0]).T, 'transpose')
+    a, b = (np.asarray(v.astype(jnp.float32), np.float64)
+            for v in (out[0], ref[0]))
+    moved = a != b
+    x32, scale = np.asarray(x, np.float32), np.float32(ref[1])
+    mid = (a[moved] + b[moved]) / 2
+    ties = ((x32 / scale)[moved] == mid) | (
+        (x32 * (np.float32(1) / scale))[moved] == mid)
+    print(f'seed {seed} {fmt}: {moved.sum()} of {x.size} codes at ties')
+    assert ties.all(), (seed, fmt, np.argwhere(moved)[~ties][:3])
+    assert (np.abs(_codes(out[0]) - _codes(ref[0])) <= 1).all()
+
+
 def test_tensor_special_values():
   quantize = lambda x, **kw: tensor_api.quantize_per_tensor(
       x, implementation='pallas', **kw)
