@@ -18,7 +18,8 @@ Every point runs on one device. Per point: tokens/s from the step time of
 a train loop (>= 2 s of warm-up, then runs of 4 steps dispatched back to
 back as train.py's loop does, blocked on once: `step_profile.step_times`;
 the median step blocked on alone, which adds the host's dispatch, is kept
-as step_ms_blocked), model TFLOP/s, peak device memory (`memory_stats()['peak_bytes_in_use']`),
+as step_ms_blocked), model TFLOP/s, peak device memory
+(`memory_stats()['peak_bytes_in_use']`),
 compile time, and with --profile the GPU kernel time per op class
 (benchmarks/step_profile.py's classifier). Each process runs with
 XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction (default 0.97: XLA may use

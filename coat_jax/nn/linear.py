@@ -195,6 +195,7 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
         amax=None if grad_amaxes is None else functools.reduce(
             jnp.maximum, grad_amaxes))]
     w_values, w_scales = [jnp.concatenate(w_values, axis=1)], w_scales[:1]
+    kernel_dtypes = kernel_dtypes[:1]  # one dtype (`fp8_dense` checks)
   else:
     quantized = [_quantize_with_transpose(
         g, 'e5m2', None if grad_amaxes is None else grad_amaxes[i])
@@ -202,8 +203,7 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   dx = None
   dkernels = []
   for w, w_scale, (g_values, g_scale, g_t), w_dtype in zip(
-      w_values, w_scales, quantized, kernel_dtypes[:len(quantized)],
-      strict=True):
+      w_values, w_scales, quantized, kernel_dtypes, strict=True):
     part = fp8_matmul(g_values, w, g_scale, w_scale, out_dtype=dtype,
                       implementation=implementation)
     # Summed in dtype, as a BF16 model's autodiff sums them: XLA adds most

@@ -131,8 +131,9 @@ def fp8_gate_up_swiglu(
   linear.check_fp8_dense_args(x, kernels, gather_axes)
   x2, rows = linear.fp8_rows(x)
   h, h_amax = _fp8_gate_up_swiglu_2d(
-      x2, w_gate, w_up, linear.given_amax(x_amax), tuple(jnp.dtype(w.dtype) for w in kernels),
-      implementation, gather_axes)
+      x2, w_gate, w_up, linear.given_amax(x_amax),
+      tuple(jnp.dtype(w.dtype) for w in kernels), implementation,
+      gather_axes)
   return h[:rows].reshape(x.shape[:-1] + (h.shape[1],)), h_amax
 
 
