@@ -14,7 +14,8 @@
   python3 benchmarks/matmul.py --sweep --semantics warpgroup   # Mosaic's other
   python3 benchmarks/matmul.py --skip bf16 --triton-configs 0   # shorter
   python3 benchmarks/matmul.py --block [--quick]   # block-scaled, paired
-  python3 benchmarks/matmul.py --block --shapes 4,3,2048x2048x16384:row
+  python3 benchmarks/matmul.py --block --shapes 4,3:row,2048x2048x16384:row
+      # ':row': per-row b scales (the layers run 'block' everywhere)
 
 All operands are K-major: a (M, K), b (N, K); out (M, N) bfloat16 with the
 two per-tensor scales applied. Timing: >= 2 s of warm-up, then the median over
@@ -694,9 +695,10 @@ def run_groups(args, log):
 
 
 # The 1b model's GEMMs (hidden 2048, intermediate 5632, k/v 256, T tokens):
-# (name, out features, in features) of q/o, k/v, gate/up and down, each as
-# fwd (T x out x in), dgrad (T x in x out) and wgrad (out x in x T).
-LAYERS_1B = [('q/o', 2048, 2048), ('k/v', 256, 2048), ('gate/up', 5632, 2048),
+# (name, out features, in features) of the fused Q/K/V projection (2048 +
+# 2 x 256 outputs), o, gate (or up) and down, each as fwd (T x out x in),
+# dgrad (T x in x out) and wgrad (out x in x T).
+LAYERS_1B = [('qkv', 2560, 2048), ('o', 2048, 2048), ('gate/up', 5632, 2048),
              ('down', 2048, 5632)]
 SHAPES_1B = [shape for name, out, inp in LAYERS_1B for shape in (
     (f'1b {name} fwd', T, out, inp, E4M3),
@@ -705,9 +707,11 @@ SHAPES_1B = [shape for name, out, inp in LAYERS_1B for shape in (
 
 
 def block_granularity(name):
-  """wgrad GEMMs tile both operands along tokens ('row' b scales); the
-  others multiply by a weight in 128x128 blocks ('block')."""
-  return 'row' if 'wgrad' in name else 'block'
+  """'block' b scales (128x128 blocks) for every GEMM the layers run: W^T
+  (forward), W (dgrad) and g^T (wgrad, quantized in blocks since the 'row'
+  kernel runs at ~0.6x); 'row' (both wgrad operands tiled along tokens,
+  DeepSeek-V3's granularity) for shapes named so (MxNxK:row)."""
+  return 'row' if name.endswith(' row') else 'block'
 
 
 def block_scales(m, n, k, granularity, seed=1):
@@ -750,15 +754,17 @@ def block_alternatives(granularity):
 
 
 def parse_block_shape(spec):
-  """An index into SHAPES + SHAPES_1B, or MxNxK (E4M3 x E4M3, 'block' b
-  scales), or MxNxK:row (E5M2 x E4M3, 'row' b scales, as a wgrad)."""
-  if 'x' not in spec:
-    return (SHAPES + SHAPES_1B)[int(spec)]
+  """An index into SHAPES + SHAPES_1B, or MxNxK (E4M3 x E4M3); ':row' after
+  either asks for 'row' b scales (an MxNxK then runs E5M2 x E4M3, as a
+  wgrad), 'block' otherwise."""
   dims, _, kind = spec.partition(':')
-  m, n, k = map(int, dims.split('x'))
-  if kind == 'row':
-    return (f'{dims} wgrad', m, n, k, E5M2)
-  return (dims, m, n, k, E4M3)
+  if 'x' not in dims:
+    shape = (SHAPES + SHAPES_1B)[int(dims)]
+  else:
+    m, n, k = map(int, dims.split('x'))
+    shape = ((f'{dims} wgrad', m, n, k, E5M2) if kind == 'row'
+             else (dims, m, n, k, E4M3))
+  return ((shape[0] + ' row',) + shape[1:]) if kind == 'row' else shape
 
 
 def run_block(args, log):
@@ -904,7 +910,7 @@ def main():
                  ' kernel can run (ratios to the per-tensor kernel)')
   p.add_argument('--block-b-as-rows', action='store_true',
                  help='with --block: expand \'block\' b scales to rows in'
-                 ' the wrapper (pipelined) instead of GMEM scalars')
+                 ' the wrapper (per-row scales) instead of one per block')
   p.add_argument('--budget-s', type=float, default=0,
                  help='with --block: start no new shape after this many'
                  ' seconds (default: 200 with --quick, else none)')

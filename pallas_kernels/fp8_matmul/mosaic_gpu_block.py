@@ -20,9 +20,12 @@ total += part * a_s[:, None] * b_s, with
   (a (split_k, compute_wgs, wg_m) block per step, so that each warpgroup
   loads its own contiguous row vector, WGMMA row layout);
 - b_s: for 'block' one float32 scalar per (N tile, K block), since
-  block_n == 128, read from GMEM at the start of the step so its latency
-  hides behind the wgmma; for 'row' a (block_n,) column vector per K block,
-  pipelined by TMA from a (K // 128, N) copy (WGMMA column layout).
+  block_n == 128, pipelined by TMA in a (split_k, 32) block of a
+  (K // 128, N tiles) copy (32 N tiles: TMA moves whole 128 bytes per
+  warpgroup) and read from SMEM after the wgmmas are issued (read from GMEM
+  instead, it cost 6-19% of the kernel's time: RESULTS.md); for 'row' a
+  (block_n,) column vector per K block, pipelined by TMA from a
+  (K // 128, N) copy (WGMMA column layout).
 The output is not scaled again: the FP32 sum is cast and stored.
 
 NaN and Inf propagate by IEEE rules: a NaN in a[m, :] or a_scale[m, :]
@@ -51,14 +54,17 @@ from pallas_kernels.fp8_matmul.mosaic_gpu import pl
 from pallas_kernels.fp8_matmul.mosaic_gpu import plgpu
 
 SCALE_BLOCK = 128  # elements of K (and of N for 'block' scales) per scale
+# N tiles per TMA block of 'block' b scales: 128 bytes of float32, the least
+# a warpgroup's copy moves.
+_B_TILES_PER_COPY = 32
 GRANULARITIES = ('block', 'row')
 _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 _E5M2 = jnp.dtype(jnp.float8_e5m2)
 _DTYPE_PAIRS = ((_E4M3, _E4M3), (_E5M2, _E4M3), (_E4M3, _E5M2))
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-# 'block' b scales: read as one GMEM scalar per (N tile, K block) (True), or
-# expanded to per-row scales in the wrapper and pipelined as 'row' ones
-# (False). A list so that a benchmark or test can switch it.
+# 'block' b scales: one scalar per (N tile, K block) from a pipelined SMEM
+# block (True), or expanded to per-row scales in the wrapper and pipelined
+# as 'row' ones (False). A list so that a benchmark or test can switch it.
 BLOCK_SCALES_AS_SCALARS = [True]
 # 'row' b scales: columns per chunk of the FP32 sum (and per epilogue
 # store), whose column scales are loaded at once (None: the epilogue's
@@ -159,14 +165,13 @@ def _promote_scaled(total, accs, add_scaled, release=()):
 
 
 def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
-            cfg: Config, b_granularity: str, bs_k_first: bool,
-            as_from_gmem: bool, m_iters: int, n_iters: int, k_iters: int,
-            stages: int):
+            cfg: Config, b_granularity: str, as_from_gmem: bool,
+            m_iters: int, n_iters: int, k_iters: int, stages: int):
   """Kernel body. GMEM: a (Mp, Kp), b (Np, Kp) FP8; as (Kp / 128,
-  M' / wg_m, wg_m) f32 (a_scale transposed); bs (n_iters, Kp / 128) f32 for
-  'block' ((Kp / 128, n_iters) if bs_k_first), (Kp / 128, N') for 'row';
-  out (Mp, Np). out_smem: the epilogue's buffer. Scale rows past M' and
-  columns past N' are read by TMA as zeros or as other scales (their
+  M' / wg_m, wg_m) f32 (a_scale transposed); bs (Kp / 128, n') f32 for
+  'block' (n' >= n_iters, a multiple of 4), (Kp / 128, N') for 'row'; out
+  (Mp, Np). out_smem: the epilogue's buffer. Scale rows past M' and columns
+  past N' (or n') are read by TMA as zeros or as other scales (their
   outputs are clipped or sliced off)."""
   wg_m = cfg.wg_m
   blocks = cfg.split_k  # 128-K blocks (and wgmma partials) per step
@@ -184,8 +189,12 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
     if rows_b:
       specs.append(plgpu.BlockSpec(
           (blocks, cfg.block_n), lambda k: (k, ni), memory_space=plgpu.SMEM))
+    else:
+      specs.append(plgpu.BlockSpec(
+          (blocks, _B_TILES_PER_COPY), lambda k: (k, ni // _B_TILES_PER_COPY),
+          memory_space=plgpu.SMEM))
     return specs
-  num_inputs = 2 + (not as_from_gmem) + rows_b
+  num_inputs = 3 + (not as_from_gmem)
   make_pipeline = lambda body, context, state=None, mi=0, ni=0: (
       mosaic_gpu._pipeline(  # pylint: disable=protected-access
           body, context, cfg=cfg, grid=(k_iters,), a_index=lambda k: (0, k),
@@ -194,8 +203,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
           manual_release=cfg.early_release, state=state,
           extra_specs=scale_specs(mi, ni)))
   ignore = lambda *_, **__: None
-  gmem_scales = ((() if as_from_gmem else (as_gmem,))
-                 + ((bs_gmem,) if rows_b else ()))
+  gmem_scales = (() if as_from_gmem else (as_gmem,)) + (bs_gmem,)
   # The last (wg_m,) row of a scales: rows past it are read from it instead
   # (their A rows are zero, their outputs clipped or sliced off).
   last_as_row = as_gmem.shape[1] - 1
@@ -237,17 +245,13 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
         (k,) = idx
         smems, release, carry = (args[:num_inputs], args[num_inputs:-1],
                                  args[-1])
-        a_smem, b_smem = smems[:2]
-        cols_smem = smems[-1] if rows_b else None
+        a_smem, b_smem, bs_smem = smems[0], smems[1], smems[-1]
         # A and B go back to TMA as soon as their wgmmas are done; the
         # scales once read (the adds may then interleave with their loads).
         ab_release, scale_release = release[:2], release[2:]
 
         def step(*accs):
-          if not rows_b:  # GMEM scalars, issued before the wgmmas.
-            b_s = [bs_gmem[k * blocks + j, ni] if bs_k_first else
-                   bs_gmem[ni, k * blocks + j] for j in range(blocks)]
-          if as_from_gmem:  # likewise
+          if as_from_gmem:  # issued before the wgmmas, which hide the latency
             row = jnp.minimum(mi * cfg.compute_wgs + wg, last_as_row)
             a_s = [_load(as_gmem.at[k * blocks + j, row], rows_layout,
                          optimized=False) for j in range(blocks)]
@@ -255,12 +259,14 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
           if not as_from_gmem:
             a_s = [_load(smems[2].at[j, wg], rows_layout)
                    for j in range(blocks)]
+          if not rows_b:
+            b_s = [bs_smem[j, ni % _B_TILES_PER_COPY] for j in range(blocks)]
 
           def add_scaled(total, part, j):
             if rows_b:
               a_j = bcast(a_s[j], 0)
               return tuple(
-                  t + part[:, cs] * bcast(_load(cols_smem.at[j, cs],
+                  t + part[:, cs] * bcast(_load(bs_smem.at[j, cs],
                                                 cols_layout), 1) * a_j
                   for t, cs in zip(total, chunks))
             s = bcast(a_s[j] * b_s[j], 0)
@@ -322,9 +328,10 @@ def fp8_matmul_block_scaled_mosaic(
       `validate_config`).
     a_scale_transposed, b_scale_transposed: the scales come K-block first,
       the layout the kernel reads: no transpose runs per call (when M is a
-      multiple of 64 and K // 128 of the config's split_k, nothing at all
-      runs besides the kernel). A quantizer can write this layout directly;
-      the 'block' scales of W serve W^T (dgrad) transposed this way.
+      multiple of 64, K // 128 of the config's split_k and, with 'block' b
+      scales, cdiv(N, 128) of 4, nothing at all runs besides the kernel).
+      A quantizer can write this layout directly; the 'block' scales of W
+      serve W^T (dgrad) transposed this way.
 
   Returns:
     (M, N) out_dtype: sum over kb of each 128-K partial sum (FP32, exact
@@ -436,9 +443,10 @@ def scale_layout(a_scale, b_scale, b_granularity: str, cfg: Config,
     ones it is M when M is a multiple of wg_m (a reshape: free), else
     padded; the last tile's block then reaches past M'.
   b_s: 'row': (Kp / 128, N') with b_s[kb, n] = b_scale[n, kb], N' = whole
-    tiles (N itself from transposed scales). 'block': (n_iters, Kp / 128),
-    or (Kp / 128, n_iters) from transposed scales (read as GMEM scalars, so
-    never past their end).
+    tiles (N itself from transposed scales). 'block': (Kp / 128, n') with
+    b_s[kb, ni] = b_scale[ni, kb], n' = n_iters rounded up to a multiple of
+    4 (TMA's 16-byte rows; blocks of 32 tiles reach past it, read as
+    zeros); from transposed scales with n_iters % 4 == 0, the input.
   Zeros pad K (the padded K of a and b is zero too: 0 * 0, no NaN).
   n_iters: N tiles (default: cdiv(N, block_n)).
   """
@@ -464,8 +472,8 @@ def scale_layout(a_scale, b_scale, b_granularity: str, cfg: Config,
   else:
     nb = b_scale.shape[1 if b_scale_transposed else 0]
     n_iters = n_iters or nb
-    b_s = (_pad_to(b_scale, (kbp, n_iters)) if b_scale_transposed else
-           _pad_to(b_scale, (n_iters, kbp)))
+    b_s = b_scale if b_scale_transposed else b_scale.T
+    b_s = _pad_to(b_s, (kbp, mosaic_gpu._round_up(n_iters, 4)))  # pylint: disable=protected-access
   return a_s, b_s
 
 
@@ -486,9 +494,11 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
                      ' of 32 bytes of output.')
   blocks = cfg.split_k
   as_from_gmem = A_SCALES_FROM_GMEM[0]
-  # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32.
-  scale_bytes = blocks * 4 * ((0 if as_from_gmem else cfg.block_m)
-                              + (cfg.block_n if rows_b else 0))
+  # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32 for
+  # 'row', (split_k, 32) for 'block'.
+  scale_bytes = blocks * 4 * (
+      (0 if as_from_gmem else cfg.block_m)
+      + (cfg.block_n if rows_b else _B_TILES_PER_COPY))
   stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
       cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes,
       out_cols=chunk)
@@ -513,7 +523,6 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
                           b_scale_transposed=b_scale_transposed)
   f = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
-                        bs_k_first=b_scale_transposed and not rows_b,
                         as_from_gmem=as_from_gmem,
                         m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
                         stages=stages),

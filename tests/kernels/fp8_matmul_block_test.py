@@ -217,12 +217,11 @@ def test_candidate_configs_are_valid():
       mosaic_gpu_block.validate_config(config, granularity)
 
 
-def emulate_kernel(a, b, a_s, b_s, granularity, cfg, bs_k_first=False):
+def emulate_kernel(a, b, a_s, b_s, granularity, cfg):
   """float64 result computed the way the kernel indexes its operands: per
   (M tile, N tile, warpgroup, K step, partial j) with the laid-out scales
   (`scale_layout`), over A and B zero-padded to whole tiles. Scale blocks
-  reaching past an array's end read zeros there (TMA's fill); 'block' b
-  scales are (K blocks, N tiles) if bs_k_first."""
+  reaching past an array's end read zeros there (TMA's fill)."""
   a, b, a_s, b_s = f64(a), f64(b), np.asarray(a_s), np.asarray(b_s)
   (m, k), n = a.shape, b.shape[0]
   mt, nt = -(-m // cfg.block_m), -(-n // cfg.block_n)
@@ -234,6 +233,8 @@ def emulate_kernel(a, b, a_s, b_s, granularity, cfg, bs_k_first=False):
   a_s = pad_to(a_s, (kp // 128, mt * cfg.compute_wgs, cfg.wg_m))
   if granularity == 'row':
     b_s = pad_to(b_s, (kp // 128, nt * cfg.block_n))
+  else:  # the kernel reads TMA blocks of 32 N tiles
+    b_s = pad_to(b_s, (kp // 128, -(-nt // 32) * 32))
   out = np.zeros((mt * cfg.block_m, nt * cfg.block_n))
   for mi in range(mt):
     for ni in range(nt):
@@ -252,7 +253,7 @@ def emulate_kernel(a, b, a_s, b_s, granularity, cfg, bs_k_first=False):
               s_cols = b_s[kb, cols]
               out[rows, cols] += part * s_rows[:, None] * s_cols[None, :]
             else:
-              s_block = b_s[kb, ni] if bs_k_first else b_s[ni, kb]
+              s_block = b_s[kb, ni]
               out[rows, cols] += part * s_rows[:, None] * s_block
   return out[:m, :n]
 
@@ -271,6 +272,9 @@ def test_scale_layout_matches_the_kernels_indexing(config, granularity,
   kbp = -(-k // config.block_k) * config.block_k // 128
   assert a_s.shape == (kbp, -(-m // config.block_m) * config.compute_wgs,
                        config.wg_m)
+  if granularity == 'block':  # K-block first, N tiles padded to TMA rows
+    n_tiles = -(-n // config.block_n)
+    assert b_s.shape == (kbp, -(-n_tiles // 4) * 4)
   assert a_s.dtype == b_s.dtype == jnp.float32
   np.testing.assert_array_equal(
       emulate_kernel(a, b, a_s, b_s, granularity, config),
@@ -304,15 +308,15 @@ def test_transposed_scale_layout_matches_the_kernels_indexing(
     np.testing.assert_array_equal(
         a_s.reshape(a_s.shape[0], -1)[:k // 128], sa.T)
   np.testing.assert_array_equal(
-      emulate_kernel(a, b, a_s, b_s, granularity, config,
-                     bs_k_first=b_t and granularity == 'block'),
+      emulate_kernel(a, b, a_s, b_s, granularity, config),
       ref_f64(a, b, sa, sb, granularity))
 
 
 def test_transposed_scales_run_no_layout_ops():
-  """K-block-first scales of whole 64-row, split_k-K-block shapes reach
-  the kernel with no transpose, pad or copy before it."""
-  m, n, k = 640, 384, 512
+  """K-block-first scales of whole 64-row, split_k-K-block shapes (and N
+  tiles a multiple of 4) reach the kernel with no transpose, pad or copy
+  before it."""
+  m, n, k = 640, 512, 512
   for config in CONFIGS:
     for granularity in GRANULARITIES:
       sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 from flax import nnx
 import jax
@@ -289,6 +290,36 @@ def test_deterministic_gpu_ops_need_the_layer_scan(monkeypatch):
         llama.LlamaConfig.preset('tiny', num_layers=1), 'gpu')
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_deterministic_ops=false')
   trainer.check_deterministic_layers(unrolled, 'gpu')
+
+
+class _Device:
+  def __init__(self, platform):
+    self.platform = platform
+
+
+def test_block_scaling_in_unrolled_layers_warns_of_its_compile_time():
+  """Block-scaled GEMMs in unrolled layers compile for minutes on a GPU
+  (Mosaic GPU kernels compiled one call at a time): a warning names the
+  fix; scanned layers, one layer, the CPU, several devices, tensor scaling
+  and the bf16 mode stay quiet."""
+  unrolled = llama.LlamaConfig.preset('tiny', scan_layers=False)
+  scanned = llama.LlamaConfig.preset('tiny', scan_layers=True)
+  gpu = [_Device('gpu')]
+  with pytest.warns(UserWarning, match='Set model.scan_layers=true'):
+    trainer.check_block_scaling_layers(unrolled, 'coat', 'block', gpu)
+  with pytest.warns(UserWarning, match='2 unrolled layers'):
+    trainer.check_block_scaling_layers(unrolled, 'fp8_linear', 'block', gpu)
+  quiet = [(scanned, 'coat', 'block', gpu),
+           (llama.LlamaConfig.preset('tiny', num_layers=1), 'coat', 'block',
+            gpu),
+           (unrolled, 'coat', 'block', [_Device('cpu')]),
+           (unrolled, 'coat', 'block', gpu * 2),
+           (unrolled, 'coat', 'tensor', gpu),
+           (unrolled, 'bf16', 'block', gpu)]
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    for args in quiet:
+      trainer.check_block_scaling_layers(*args)
 
 
 def test_half_written_checkpoint_leaves_the_previous_loadable(tiny_config,
