@@ -30,6 +30,7 @@ from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import sharding
 from coat_jax.training import tokenizer as tokenizer_lib
 from coat_jax.training.checkpoints import Checkpointer
+from pallas_kernels.fp8_matmul import api as fp8_matmul_api
 
 
 class NonFiniteError(RuntimeError):
@@ -153,15 +154,15 @@ def check_deterministic_layers(model: llama.LlamaConfig,
 
 
 def check_block_scaling_layers(model: llama.LlamaConfig, precision: str,
-                               scaling: str, devices) -> None:
+                               scaling: str) -> None:
   """Warns, naming the fix, where the step would compile block-scaled FP8
-  GEMMs (Mosaic GPU kernels: one device, a GPU) in unrolled layers: jax
-  0.11.2 compiles each such call on its own, ~30 s per layer of the 1b
-  model on an H200 (2 layers 64 s, 6 layers 187 s; RESULTS.md
-  "fp8-gemm-block"), where a layer scan compiles one layer."""
+  GEMMs as Mosaic GPU kernels (`resolve_block_implementation`: one Hopper
+  GPU) in unrolled layers: jax 0.11.2 compiles each such call on its own,
+  ~30 s per layer of the 1b model on an H200 (2 layers 64 s, 6 layers
+  187 s; RESULTS.md "fp8-gemm-block"), where a layer scan compiles one."""
   if (scaling == 'block' and precision != 'bf16' and model.num_layers > 1
-      and not model.scan_layers and len(devices) == 1
-      and devices[0].platform == 'gpu'):
+      and not model.scan_layers
+      and fp8_matmul_api.resolve_block_implementation(None) == 'pallas'):
     warnings.warn(
         f'model.scaling=block with {model.num_layers} unrolled layers: the'
         ' block-scaled FP8 GEMMs compile one call at a time, ~30 s per layer'
@@ -179,7 +180,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       config.model.remat, config.model.precision, model_cfg.scan_layers))
   check_deterministic_layers(model_cfg, devices[0].platform)
   check_block_scaling_layers(model_cfg, config.model.precision,
-                             config.model.scaling, devices)
+                             config.model.scaling)
   mesh = sharding.make_mesh(
       config_lib.mesh_shape(config.mesh, len(devices)), devices)
   precision = config.model.precision
