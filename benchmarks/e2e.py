@@ -34,8 +34,7 @@ PV, 4 * B * S^2 * H per layer forward, halved by the mask, x3 for
 forward + backward).
 
   PYTHONPATH=. python benchmarks/e2e.py --preset 1b --modes plain,bf16,coat \\
-      --scanned --variants \\
-      coat_block_scanned=coat:model.scaling=block,model.scan_layers=true
+      --scanned --variants coat_block=coat:model.scaling=block
   PYTHONPATH=. python benchmarks/e2e.py --preset llama2_7b \\
       --modes plain,coat --max-batch --budget-s 540 --out runs/e2e_7b.jsonl
 

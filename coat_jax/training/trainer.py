@@ -8,7 +8,6 @@ import signal
 import threading
 import time
 from typing import Any
-import warnings
 
 from flax import nnx
 import jax
@@ -30,7 +29,6 @@ from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import sharding
 from coat_jax.training import tokenizer as tokenizer_lib
 from coat_jax.training.checkpoints import Checkpointer
-from pallas_kernels.fp8_matmul import api as fp8_matmul_api
 
 
 class NonFiniteError(RuntimeError):
@@ -153,24 +151,6 @@ def check_deterministic_layers(model: llama.LlamaConfig,
         ' same model under a layer scan, which runs), or drop the flag.')
 
 
-def check_block_scaling_layers(model: llama.LlamaConfig, precision: str,
-                               scaling: str) -> None:
-  """Warns, naming the fix, where the step would compile block-scaled FP8
-  GEMMs as Mosaic GPU kernels (`resolve_block_implementation`: one Hopper
-  GPU) in unrolled layers: jax 0.11.2 compiles each such call on its own,
-  ~30 s per layer of the 1b model on an H200 (2 layers 64 s, 6 layers
-  187 s; RESULTS.md "fp8-gemm-block"), where a layer scan compiles one."""
-  if (scaling == 'block' and precision != 'bf16' and model.num_layers > 1
-      and not model.scan_layers
-      and fp8_matmul_api.resolve_block_implementation(None) == 'pallas'):
-    warnings.warn(
-        f'model.scaling=block with {model.num_layers} unrolled layers: the'
-        ' block-scaled FP8 GEMMs compile one call at a time, ~30 s per layer'
-        f' (~{model.num_layers / 2:.0f} min here) on an H200 with jax'
-        ' 0.11.2. Set model.scan_layers=true to compile one layer.',
-        stacklevel=2)
-
-
 def build(config: config_lib.Config, devices=None) -> Setup:
   """Builds the mesh, model, optimizer and jitted steps for `config`."""
   devices = jax.devices() if devices is None else devices
@@ -179,8 +159,6 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   remat_lib.jax_policy(remat_lib.resolve(  # offloading needs a GPU
       config.model.remat, config.model.precision, model_cfg.scan_layers))
   check_deterministic_layers(model_cfg, devices[0].platform)
-  check_block_scaling_layers(model_cfg, config.model.precision,
-                             config.model.scaling)
   mesh = sharding.make_mesh(
       config_lib.mesh_shape(config.mesh, len(devices)), devices)
   precision = config.model.precision

@@ -134,7 +134,8 @@ def coat_adam_step(
         param, grad, m, v, hp, apply, group_size=group_size,
         expansion=expansion,
         apply_weight_decay=not reference._no_decay(weight_decay),
-        interpret=interpret, approx=approx, layer=layer)
+        interpret=interpret, approx=approx,
+        layer=None if layer is None else jnp.int32(layer))
   else:
     at = (lambda a: a) if layer is None else (lambda a: a[layer])
     p, m2, v2 = reference.coat_adam_step(

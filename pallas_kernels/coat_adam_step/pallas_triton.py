@@ -49,8 +49,27 @@ STEP_BLOCK_SIZES = BlockSizes(target=2048, num_warps=4)
 UPDATE_BLOCK_SIZES = BlockSizes(target=2048, num_warps=4)
 
 
+def _layer_tiles(layer, ncb, block, group_size):
+  """Maps whole stacks (L, rows, n) to this program's tile of `layer`: the
+  (br, bc) tile of a param or of codes, (br, bc // group_size) of scales
+  and exponents. Rows past the layer's end are masked (`group_tile`)."""
+  pid = pl.program_id(0)
+  i, j = pid // ncb, pid % ncb
+  br, bc = block
+
+  def tile(ref, width):
+    return ref.at[layer, pl.ds(i * br, br), pl.ds(j * width, width)]
+
+  param = lambda ref: tile(ref, bc)
+  moment = lambda refs: (tile(refs[0], bc),
+                         *(tile(r, bc // group_size) for r in refs[1:]))
+  return param, moment
+
+
 def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
-            apply_weight_decay, mu_meta, nu_meta, ops, with_param):
+            apply_weight_decay, mu_meta, nu_meta, ops, with_param, stacked):
+  if stacked:
+    layer_ref, *refs = refs
   k = 3 if expansion else 2  # refs per moment: values, scale[, exponent]
   n_in = (2 if with_param else 1) + 2 * k
   ins, outs = refs[:n_in], refs[n_in:]
@@ -58,6 +77,10 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
   g_ref, moment_refs = ins[n_in - 2 * k - 1], ins[n_in - 2 * k:]
   mu_in, nu_in = moment_refs[:k], moment_refs[k:]
   x_out, mu_out, nu_out = outs[0], outs[1:1 + k], outs[1 + k:]
+  if stacked:  # param and moments are whole stacks: index this layer's tiles
+    param, moment = _layer_tiles(layer_ref[0], ncb, g_ref.shape, group_size)
+    p_ref, x_out = param(p_ref), param(x_out)
+    mu_in, nu_in, mu_out, nu_out = map(moment, (mu_in, nu_in, mu_out, nu_out))
   _, mask, gmask = _common.group_tile(
       g_ref.shape, ncb, rows, cols, group_size)
   hp = {name: hp_ref[n] for n, name in enumerate(_HP_NAMES)}
@@ -120,8 +143,11 @@ def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
                 layer=None):
   """The pallas_call of both ops: with `param` the step (param, moments
   updated in place), with param None the update (the Adam direction as a new
-  float32 array, moments in place). With `layer`, param and moments are a
-  stack (L, *grad.shape) of which only that layer is visited and written."""
+  float32 array, moments in place). With `layer` (an int32 scalar array),
+  param and moments are a stack (L, *grad.shape) of which only that layer
+  is visited and written. The layer is an operand, not part of the kernel,
+  so that the L layers of unrolled models share one kernel: one lowering
+  and one Triton compile, not L."""
   shape = grad.shape
   rows, cols = _common.as_2d(shape)
   ngt = pl.cdiv(cols, group_size)
@@ -131,14 +157,15 @@ def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
   index = lambda p: (p // ncb, p % ncb)
   tile = pl.BlockSpec((br, bc), index)
   gtile = pl.BlockSpec((br, bc // group_size), index)
-  if layer is None:
+  stacked = layer is not None
+  if not stacked:
     view = lambda a, n: a.reshape(rows, n)
     state_tile, state_gtile = tile, gtile
-  else:  # the stacked state's tiles of this layer, the leading axis squeezed
-    view = lambda a, n: a.reshape(-1, rows, n)
-    at_layer = lambda p: (layer, *index(p))
-    state_tile = pl.BlockSpec((pl.squeezed, br, bc), at_layer)
-    state_gtile = pl.BlockSpec((pl.squeezed, br, bc // group_size), at_layer)
+  else:  # whole stacks; the kernel indexes the layer's tiles (_layer_tiles)
+    num_layers = param.shape[0]
+    view = lambda a, n: a.reshape(num_layers, rows, n)
+    whole = lambda n: pl.BlockSpec((num_layers, rows, n), lambda p: (0, 0, 0))
+    state_tile, state_gtile = whole(cols), whole(ngt)
 
   def flat(q):
     leaves = [view(q.values, cols), view(q.scale, ngt)]
@@ -160,17 +187,22 @@ def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
       expansion=expansion, apply_weight_decay=apply_weight_decay,
       mu_meta=(mu.values.dtype, mu.scale.dtype),
       nu_meta=(nu.values.dtype, nu.scale.dtype),
-      ops=kernel_ops(interpret, approx), with_param=with_param)
-  first = 1 + len(lead) + 1  # operand of the first moment leaf (hp is 0)
+      ops=kernel_ops(interpret, approx), with_param=with_param,
+      stacked=stacked)
+  # Operands: hp, [layer], [param], grad, moments.
+  head = [hp_vec] + ([jnp.reshape(layer, (1,))] if stacked else [])
+  head_specs = [pl.BlockSpec((16,), lambda p: (0,))] + (
+      [pl.BlockSpec((1,), lambda p: (0,))] if stacked else [])
+  first = len(head) + len(lead) + 1  # operand of the first moment leaf
   n_moment = 2 * len(moment_specs)
   # Moments (and the param) are updated in place; the direction is new.
   aliases = {first + n: 1 + n for n in range(n_moment)}
   if with_param:
-    aliases[1] = 0
+    aliases[len(head)] = 0
   x_dtype = param.dtype if with_param else jnp.float32
   outs = pl.pallas_call(
       kernel, grid=grid,
-      in_specs=[pl.BlockSpec((16,), lambda p: (0,)), *in_specs],
+      in_specs=[*head_specs, *in_specs],
       out_specs=[state_tile if with_param else tile, *moment_specs,
                  *moment_specs],
       out_shape=[jax.ShapeDtypeStruct(args[0].shape if with_param
@@ -180,7 +212,7 @@ def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
       interpret=interpret,
       compiler_params=_common.compiler_params(block_sizes.num_warps, 1),
       name='coat_adam_step' if with_param else 'coat_adam_update',
-  )(hp_vec, *args)
+  )(*head, *args)
   k = len(moment_specs)
 
   def unflat(leaves, like):  # the shapes of the moment given
@@ -197,22 +229,23 @@ def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,
 @functools.partial(
     jax.jit,
     static_argnames=('group_size', 'expansion', 'apply_weight_decay',
-                     'block_sizes', 'interpret', 'approx', 'layer'))
+                     'block_sizes', 'interpret', 'approx'))
 def coat_adam_step(
     param: jax.Array, grad: jax.Array, mu: reference.Moment,
     nu: reference.Moment, hp: dict[str, jax.Array],
     apply: jax.Array | bool = True, *, group_size: int,
     expansion: bool, apply_weight_decay: bool,
     block_sizes: BlockSizes | None = None, interpret: bool = False,
-    approx: bool = True, layer: int | None = None
+    approx: bool = True, layer: jax.Array | None = None
 ) -> tuple[jax.Array, reference.Moment, reference.Moment]:
   """Pallas version of `reference.coat_adam_step` given its hyperparams.
 
   With `apply` False (a bool scalar) no program writes: param and moments
   come back as given, in place. `approx`: see `kernel_ops`. `block_sizes`
-  None: `STEP_BLOCK_SIZES` (read when traced). With `layer`, param and
-  moments are stacks (L, *grad.shape) and only that layer is read and
-  written (in place; the other layers are left as they are).
+  None: `STEP_BLOCK_SIZES` (read when traced). With `layer` (an int32
+  scalar in [0, L), not checked here), param and moments are stacks
+  (L, *grad.shape) and only that layer is read and written (in place; the
+  other layers are left as they are); all layers share one kernel.
   """
   return _fused_call(
       param, grad, mu, nu, hp, apply, group_size=group_size,

@@ -640,10 +640,20 @@ def _mixed_via_f16(a, b, scale, out_dtype):
 
 def _call_kernel(a, b, scale, out_dtype, config):
   """The kernel call: pads to whole tiles and slices the outputs back."""
+  return _jit_call_kernel(a, b, scale, jnp.dtype(out_dtype), config,
+                          LOWERING_SEMANTICS[0], _num_sms())
+
+
+# A jit, so that calls of equal shapes and static arguments share one trace
+# and one lowering: unrolled layers then lower each distinct GEMM once.
+@functools.partial(jax.jit, static_argnames=(
+    'out_dtype', 'config', 'lowering_semantics', 'num_sms'))
+def _jit_call_kernel(a, b, scale, out_dtype, config, lowering_semantics,
+                     num_sms):
   grouped = jnp.dtype(out_dtype) in FP8_DTYPES
   # The grouped epilogue was measured with DEFAULT_CONFIG only.
   cfg = config or (DEFAULT_CONFIG if grouped else
-                   select_config(a.shape[0], b.shape[0]))
+                   select_config(a.shape[0], b.shape[0], num_sms))
   cfg.validate(jnp.dtype(a.dtype).itemsize)
   if grouped and cfg.block_n % 64:
     raise ValueError(f'block_n={cfg.block_n}: the grouped epilogue needs a'
@@ -683,7 +693,7 @@ def _call_kernel(a, b, scale, out_dtype, config):
   out_types = (jax.ShapeDtypeStruct((mp, np_), out_dtype),)
   if grouped:
     out_types += (jax.ShapeDtypeStruct((mp, np_ // GROUP), jnp.float32),)
-  num_ctas = _num_sms() // cfg.cluster_m
+  num_ctas = num_sms // cfg.cluster_m
   kernel = (functools.partial(_chained_kernel, num_ctas=num_ctas)
             if cfg.chain_tiles else _kernel)
   f = plgpu.kernel(
@@ -698,7 +708,7 @@ def _call_kernel(a, b, scale, out_dtype, config):
       num_threads=cfg.compute_wgs + 1,
       thread_name='wg',
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=LOWERING_SEMANTICS[0]),
+          lowering_semantics=lowering_semantics),
   )
   s = jnp.reshape(scale.astype(jnp.float32), (1,))
   outs = f(a, b, s)

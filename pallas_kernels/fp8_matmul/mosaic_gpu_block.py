@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -352,8 +353,8 @@ def fp8_matmul_block_scaled_mosaic(
       b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=0)[:n]
     b_granularity = 'row'
   return _call_kernel(a, b, a_scale, b_scale, b_granularity,
-                      jnp.dtype(out_dtype), cfg, m, n, k,
-                      a_scale_transposed, b_scale_transposed)
+                      jnp.dtype(out_dtype), cfg, a_scale_transposed,
+                      b_scale_transposed, _Settings.now())
 
 
 def _granularity_of(b, b_scale, transposed):
@@ -477,23 +478,46 @@ def scale_layout(a_scale, b_scale, b_granularity: str, cfg: Config,
   return a_s, b_s
 
 
-def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
-                 k, a_scale_transposed=False, b_scale_transposed=False):
+class _Settings(NamedTuple):
+  """What a kernel is traced with besides its arguments: the switches above
+  and the device's SM count."""
+
+  row_chunk_cols: int | None
+  a_scales_from_gmem: bool
+  lowering_semantics: object
+  num_sms: int
+
+  @classmethod
+  def now(cls) -> _Settings:
+    return cls(ROW_CHUNK_COLS[0], A_SCALES_FROM_GMEM[0],
+               mosaic_gpu.LOWERING_SEMANTICS[0], mosaic_gpu._num_sms())  # pylint: disable=protected-access
+
+
+# A jit, so that calls of equal shapes and static arguments share one trace
+# and one lowering: unrolled layers then lower each distinct GEMM once, not
+# once per call (~0.7 s each).
+@functools.partial(jax.jit, static_argnames=(
+    'b_granularity', 'out_dtype', 'cfg', 'a_scale_transposed',
+    'b_scale_transposed', 'settings'))
+def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg,
+                 a_scale_transposed, b_scale_transposed, settings):
   """Pads to whole tiles, lays the scales out for TMA, runs the kernel."""
+  m, k = a.shape
+  n = b.shape[0]
   rows_b = b_granularity == 'row'
   if m < cfg.block_m or n < cfg.block_n:
     # Operands smaller than one tile are padded to it: unpadded, a 16 x 16
     # output with THREE_WG_CONFIG came back all zeros on the H200 (the only
     # shape whose output and B were narrower than one TMA tile of each).
     cfg = dataclasses.replace(cfg, pad_mn=True)
-  chunk = ROW_CHUNK_COLS[0] if rows_b else None
+  chunk = settings.row_chunk_cols if rows_b else None
   if chunk and (cfg.block_n % chunk or chunk % 8
                 or (chunk * out_dtype.itemsize) % 32):
     raise ValueError(f'ROW_CHUNK_COLS={chunk}: need a multiple of 8 that'
                      f' divides block_n={cfg.block_n} and spans a multiple'
                      ' of 32 bytes of output.')
   blocks = cfg.split_k
-  as_from_gmem = A_SCALES_FROM_GMEM[0]
+  as_from_gmem = settings.a_scales_from_gmem
   # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32 for
   # 'row', (split_k, 32) for 'block'.
   scale_bytes = blocks * 4 * (
@@ -528,12 +552,12 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg, m, n,
                         stages=stages),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
       scratch_types=[out_smem],
-      grid=(mosaic_gpu._num_sms(),),  # pylint: disable=protected-access
+      grid=(settings.num_sms,),
       grid_names=('sm',),
       num_threads=cfg.compute_wgs + 1,
       thread_name='wg',
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=mosaic_gpu.LOWERING_SEMANTICS[0]),
+          lowering_semantics=settings.lowering_semantics),
   )
   out = f(a, b, a_s, b_s)
   return out[:m, :n] if (mp, np_) != (m, n) else out

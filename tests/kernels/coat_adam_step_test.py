@@ -56,9 +56,9 @@ def _assert_param_close(new, ref, old):
   assert np.all(err <= np.where(nan, 0, tol)), err.max()
 
 
-def _assert_moment_close(new, ref, max_frac=2e-3, max_step=1):
+def _assert_moment_close(new, ref, max_frac=2e-3, max_step=1, scale_ulps=4):
   """Codes move by at most `max_step` steps in max_frac of the elements;
-  scales by 4 ulps (the group max); exponents by one step of 1/16."""
+  scales by `scale_ulps` (the group max); exponents by one step of 1/16."""
   nan_ref = np.isnan(np.atleast_1d(ref.values.astype(jnp.float32)))
   diff = np.atleast_1d(np.abs(_codes(new.values) - _codes(ref.values)))
   diff[nan_ref] = 0
@@ -66,7 +66,7 @@ def _assert_moment_close(new, ref, max_frac=2e-3, max_step=1):
       diff.max(initial=0), (diff > 0).mean())
   finite = np.isfinite(np.asarray(ref.scale))
   assert _ulps(np.asarray(new.scale)[finite],
-               np.asarray(ref.scale)[finite]).max(initial=0) <= 4
+               np.asarray(ref.scale)[finite]).max(initial=0) <= scale_ulps
   if ref.exponent is not None:
     step = np.abs(np.asarray(new.exponent) - np.asarray(ref.exponent))
     assert step[finite].max(initial=0) <= 1 / 16 + 1e-6
@@ -125,7 +125,13 @@ def _run(shape, implementation, *, weight_decay=0.1, expansion=True,
 
 @pytest.mark.parametrize('shape', [(5, 300), (300,), ()])
 def test_xla_path_is_coat_adamw(shape):
-  _run(shape, 'xla', exact=True)
+  # Bit for bit on the CPU. XLA:GPU fuses the two programs differently (FMA
+  # contraction, its own exp and log): on an H200 ~4% of the params moved
+  # by 1 ulp and a group scale by 5 ulps.
+  if jax.default_backend() != 'gpu':
+    _run(shape, 'xla', exact=True)
+  else:
+    _run(shape, 'xla', moment_tol=dict(scale_ulps=8))
 
 
 @pytest.mark.parametrize('shape,weight_decay,expansion,moment_dtypes', [
@@ -217,6 +223,28 @@ def test_one_layer_of_a_stack_is_the_step_on_that_layer(
     np.testing.assert_array_equal(_bits(got[layer]), _bits(want))
     for other in set(range(num_layers)) - {layer}:
       np.testing.assert_array_equal(_bits(got[other]), _bits(old[other]))
+
+
+def test_every_layer_of_a_stack_shares_one_kernel():
+  """Stepping each layer of a stack traces the Pallas kernel once: the layer
+  is an operand, so unrolled models lower and compile one kernel per leaf
+  shape, not one per layer (22 per leaf at 1b: most of its compile time)."""
+  shape = (4, 8, 256)
+  p = jnp.zeros(shape, jnp.float32)
+  q = coat_jax.quant.quantize_per_group(p, 128, 'e4m3', expansion=True)
+
+  def step_all(p, g, mu, nu):
+    for layer in range(shape[0]):
+      p, mu, nu = api.coat_adam_step(p, g, mu, nu, jnp.int32(1),
+                                     learning_rate=1e-3, layer=layer,
+                                     implementation='pallas')
+    return p
+
+  calls = [e for e in jax.make_jaxpr(step_all)(p, p[0], q, q).jaxpr.eqns
+           if e.primitive.name in ('jit', 'pjit')
+           and e.params['name'] == 'coat_adam_step']
+  assert len(calls) == shape[0]
+  assert len({id(e.params['jaxpr']) for e in calls}) == 1
 
 
 def test_layer_validation():

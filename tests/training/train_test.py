@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 
 from flax import nnx
 import jax
@@ -21,7 +20,6 @@ from coat_jax import training
 from coat_jax.models import llama
 from coat_jax.training import config as config_lib
 from coat_jax.training import trainer
-from pallas_kernels.fp8_matmul import api as fp8_matmul_api
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -291,35 +289,6 @@ def test_deterministic_gpu_ops_need_the_layer_scan(monkeypatch):
         llama.LlamaConfig.preset('tiny', num_layers=1), 'gpu')
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_deterministic_ops=false')
   trainer.check_deterministic_layers(unrolled, 'gpu')
-
-
-def test_block_scaling_in_unrolled_layers_warns_of_its_compile_time(
-    monkeypatch):
-  """Block-scaled GEMMs in unrolled layers compile for minutes where they
-  run as Mosaic GPU kernels (compiled one call at a time): a warning names
-  the fix; scanned layers, one layer, the XLA emulation (CPU, several
-  devices), tensor scaling and the bf16 mode stay quiet."""
-  unrolled = llama.LlamaConfig.preset('tiny', scan_layers=False)
-  scanned = llama.LlamaConfig.preset('tiny', scan_layers=True)
-  resolve = fp8_matmul_api.resolve_block_implementation
-  assert resolve(None) == 'xla'  # this CPU: the emulation, no warning
-  with warnings.catch_warnings():
-    warnings.simplefilter('error')
-    trainer.check_block_scaling_layers(unrolled, 'coat', 'block')
-  monkeypatch.setattr(fp8_matmul_api, 'resolve_block_implementation',
-                      lambda impl: 'pallas')  # as on one Hopper GPU
-  with pytest.warns(UserWarning, match='Set model.scan_layers=true'):
-    trainer.check_block_scaling_layers(unrolled, 'coat', 'block')
-  with pytest.warns(UserWarning, match='2 unrolled layers'):
-    trainer.check_block_scaling_layers(unrolled, 'fp8_linear', 'block')
-  quiet = [(scanned, 'coat', 'block'),
-           (llama.LlamaConfig.preset('tiny', num_layers=1), 'coat', 'block'),
-           (unrolled, 'coat', 'tensor'),
-           (unrolled, 'bf16', 'block')]
-  with warnings.catch_warnings():
-    warnings.simplefilter('error')
-    for args in quiet:
-      trainer.check_block_scaling_layers(*args)
 
 
 def test_half_written_checkpoint_leaves_the_previous_loadable(tiny_config,
