@@ -266,6 +266,7 @@ def report(out_dir: str) -> str:
     lines.append(f'| {v} | ' + ' | '.join(cells) + ' |')
   lines += ['', 'ok/MISS: within the issue-21 target of bf16 (0.5% at 1e-3'
             ' and 3e-3, 1.5% at 1e-2; same seeds on both sides).']
+  lines += _paired_table(finals, variants, lrs)
   bad = [r for r in runs if r['nonfinite_steps'] or not math.isfinite(
       r['final_val'])]
   for r in bad:
@@ -277,6 +278,36 @@ def report(out_dir: str) -> str:
     f.write(text + '\n')
   plot(runs, variants, lrs, os.path.join(out_dir, 'stability.png'))
   return text
+
+
+def _paired_table(finals: dict, variants: list[str],
+                  lrs: list[float]) -> list[str]:
+  """Markdown lines: each variant's final loss over bf16's of the same seed,
+  minus 1, as mean +- standard error over the seeds: how far the seed noise
+  lets a mean of this many seeds resolve the targets."""
+  rows = []
+  for v in variants[1:] if variants[:1] == ['bf16'] else variants:
+    cells = []
+    for lr in lrs:
+      seeds, ref = finals.get((v, lr), {}), finals.get(('bf16', lr), {})
+      common = sorted(set(seeds) & set(ref))
+      diffs = [100 * (seeds[s] / ref[s] - 1) for s in common]
+      if not diffs:
+        cells.append('')
+      elif len(diffs) == 1:
+        cells.append(f'{diffs[0]:+.2f}% (1 seed)')
+      else:
+        se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+        cells.append(f'{statistics.mean(diffs):+.2f}% +- {se:.2f}'
+                     f' ({len(diffs)} seeds)')
+    if any(cells):
+      rows.append(f'| {v} | ' + ' | '.join(cells) + ' |')
+  if not rows:
+    return []
+  return ['', 'Per seed, variant / bf16 - 1 (mean +- standard error'
+          ' over the seeds):', '',
+          '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
+          '|---' * (len(lrs) + 1) + '|', *rows]
 
 
 def plot(runs: list[dict], variants: list[str], lrs: list[float],

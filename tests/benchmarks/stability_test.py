@@ -54,6 +54,9 @@ def test_report_means_seeds_and_compares_to_bf16(tmp_path):
   assert '3.1000 (3.1000) +3.33% MISS |' in text
   assert '| moments |  | 3.0300 (3.0300) +1.00% ok |' in text
   assert 'coat_lr0.01_seed0: 3 skipped non-finite steps' in text
+  # Paired by seed: +1.0% and -0.909%: mean +0.05%, standard error 0.95%.
+  assert '| coat | +0.05% +- 0.95 (2 seeds) | +3.33% (1 seed) |' in text
+  assert '| moments |  | +1.00% (1 seed) |' in text
   assert open(tmp_path / 'stability.md').read().strip() == text
   assert os.path.getsize(tmp_path / 'stability.png') > 10_000
 
