@@ -286,7 +286,7 @@ def _paired_table(finals: dict, variants: list[str],
   minus 1, as mean +- standard error over the seeds: how far the seed noise
   lets a mean of this many seeds resolve the targets."""
   rows = []
-  for v in variants[1:] if variants[:1] == ['bf16'] else variants:
+  for v in [name for name in variants if name != 'bf16']:
     cells = []
     for lr in lrs:
       seeds, ref = finals.get((v, lr), {}), finals.get(('bf16', lr), {})

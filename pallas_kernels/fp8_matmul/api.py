@@ -254,7 +254,7 @@ def _single_device() -> bool:
   return len(jax.devices()) == 1
 
 
-def resolve_block_implementation(implementation: str | None) -> str:
+def _resolve_block_implementation(implementation: str | None) -> str:
   """'pallas' (the Mosaic GPU kernel) or 'xla' (the emulation) for
   block-scaled GEMMs asked for with `implementation` (None: the default
   here: 'pallas' on one Hopper GPU)."""
@@ -279,7 +279,7 @@ def fp8_matmul_block_scaled(a: jax.Array, b: jax.Array, a_scale: jax.Array,
   _check_block_scales(a, b, a_scale, b_scale)
   if jnp.dtype(out_dtype) not in _OUT_DTYPES:
     raise ValueError(f'out_dtype must be bfloat16 or float32, got {out_dtype}.')
-  impl = resolve_block_implementation(implementation)
+  impl = _resolve_block_implementation(implementation)
   if impl == 'pallas':
     return _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype)
   return _xla_block_matmul(a, b, a_scale, b_scale, out_dtype)

@@ -831,7 +831,7 @@ def test_block_scale_validation():
   with pytest.raises(ValueError, match='block scales are 2-D'):
     api.fp8_matmul_groups(a, b, sa, sb, implementation='xla')
   if not HOPPER:
-    assert api.resolve_block_implementation(None) == 'xla'
+    assert api._resolve_block_implementation(None) == 'xla'
     with pytest.raises(ValueError, match='Hopper'):
       fp8_matmul(a, b, sa, sb, implementation='pallas')
 
@@ -866,9 +866,9 @@ def test_block_pallas_glue_pads_k_and_expands_scales(monkeypatch, n,
   np.testing.assert_array_equal(np.asarray(out), block_f64_ref(a, b, sa, sb))
   want_rows = n // 128 if (b_per_block and n % 128 == 0) else n
   assert calls == [(want_rows, 2)]
-  assert api.resolve_block_implementation(None) == 'pallas'
+  assert api._resolve_block_implementation(None) == 'pallas'
   monkeypatch.setattr(api, '_single_device', lambda: False)
-  assert api.resolve_block_implementation(None) == 'xla'
+  assert api._resolve_block_implementation(None) == 'xla'
 
 
 @pytest.mark.gpu
