@@ -258,6 +258,27 @@ def test_kernel_transposed_blocks_match_reference(shape, sizes, fmt, pow2):
   assert_same(got, want)
 
 
+@pytest.mark.parametrize('in_dtype', [jnp.bfloat16, jnp.float16,
+                                      jnp.float32])
+@pytest.mark.parametrize('transpose_block', [(1, 128), (128, 128)])
+def test_kernel_widens_every_input_dtype_exactly(in_dtype, transpose_block):
+  """x^T is encoded from the tile widened a second time (`_widen`: a bit
+  shift for bf16): -0, subnormals, +-max, NaN and Inf keep their bits."""
+  x = np.array(normal(12, (256, 384), 4.0))
+  tiny = float(jnp.finfo(in_dtype).smallest_subnormal)
+  big = float(jnp.finfo(in_dtype).max)
+  x[0, :4] = [-0.0, tiny, -tiny, 3 * tiny]
+  x[130, 200:203] = [big, -big, np.nan]
+  x[5, 300] = -np.inf
+  x = jnp.asarray(x).astype(in_dtype)
+  kw = dict(transpose=True, transpose_block=transpose_block)
+  got = pallas_triton.quantize_blockwise(x, (1, 128), 'e5m2', interpret=True,
+                                         **kw)
+  want = reference.quantize_blockwise(x, (1, 128), 'e5m2', **kw)
+  assert_same(got, want)
+  np.testing.assert_array_equal(np.signbit(f32(got[2][0, 0])), True)
+
+
 @pytest.mark.parametrize('shape', [(256, 128), (144, 272)])
 @pytest.mark.parametrize('fmt,pow2', [('e4m3', True), ('e5m2', False)])
 def test_kernel_blocks_match_reference(shape, fmt, pow2):
