@@ -40,7 +40,7 @@ class BlockSizes:
     block_cols: columns (K) of a tile.
     num_warps: warps per program; None: 16 with the transpose in 1x128
       tiles (and without a transpose), 8 with it in 128x128 blocks, the
-      fastest of each on an H200 (benchmarks/kernels.py --blockwise).
+      fastest of each on an H200 (RESULTS.md, "quantize-blockwise").
   """
 
   block_rows: int = 128
