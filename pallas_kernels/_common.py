@@ -426,9 +426,12 @@ def group_tile(
   return ng, mask, gmask
 
 
-def masked_load(ref: Any, mask: jax.Array | None, fill: float) -> jax.Array:
-  """The tile of `ref` as float32, `fill` where `mask` (if any) is False."""
-  x = pltriton.load(ref, mask=mask).astype(jnp.float32)
+def masked_load(ref: Any, mask: jax.Array | None, fill: float,
+                dtype: Any = jnp.float32) -> jax.Array:
+  """The tile of `ref` as `dtype` (None: ref's own), `fill` where `mask` (if
+  any) is False."""
+  x = pltriton.load(ref, mask=mask)
+  x = x if dtype is None else x.astype(dtype)
   return x if mask is None else jnp.where(mask, x, fill)
 
 

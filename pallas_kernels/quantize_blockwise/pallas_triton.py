@@ -130,9 +130,7 @@ def _tiles_kernel(x_ref, *out_refs, rows, cols, ncb, dtype, pow2, transpose,
   i, j = pid // ncb, pid % ncb
   exact = rows % br == 0 and cols % bc == 0
   mask = None if exact else _common.tile_mask(i, j, (br, bc), (rows, cols))
-  x = pltriton.load(x_ref, mask=mask)  # kept in its own dtype: see _widen
-  if mask is not None:
-    x = jnp.where(mask, x, jnp.zeros_like(x))
+  x = _common.masked_load(x_ref, mask, 0.0, dtype=None)  # see _widen
   values, scales = _quantize_tile(x.astype(jnp.float32), dtype, pow2, ops)
   smask = None if exact else _common.tile_mask(
       i, j, (br, bc // TILE), (rows, pl.cdiv(cols, TILE)))
