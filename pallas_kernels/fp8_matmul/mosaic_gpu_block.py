@@ -131,7 +131,13 @@ ROW_THREE_WG_CONFIG = Config(block_m=192, block_n=96, block_k=128,
                              pad_mn=False, early_release=True,
                              overlap_tiles=True)
 # (config, speed per tile) per b_granularity, as mosaic_gpu.CANDIDATES.
-CANDIDATES = {'block': mosaic_gpu.CANDIDATES, 'row': mosaic_gpu.CANDIDATES}
+# With 'block' scales three warpgroups gain more per tile than without
+# (~6% on the H200 at the 1b model's 16384 x 2048 outputs, where the
+# per-tensor kernel's 3% picks 128x128 tiles: benchmarks/RESULTS.md,
+# "fp8-gemm-block").
+BLOCK_CANDIDATES = ((mosaic_gpu.DEFAULT_CONFIG, 1.0),
+                    (mosaic_gpu.THREE_WG_CONFIG, 1.06))
+CANDIDATES = {'block': BLOCK_CANDIDATES, 'row': mosaic_gpu.CANDIDATES}
 
 
 def select_config(m: int, n: int, num_ctas: int | None = None, *,
