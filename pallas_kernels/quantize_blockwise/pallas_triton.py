@@ -40,7 +40,8 @@ class BlockSizes:
     block_cols: columns (K) of a tile.
     num_warps: warps per program; None: 16 with the transpose in 1x128
       tiles (and without a transpose), 8 with it in 128x128 blocks, the
-      fastest of each on an H200 (RESULTS.md, "quantize-blockwise").
+      fastest of each on an H200 (HISTORY.md, "Block quantizers: what
+      moved them").
   """
 
   block_rows: int = 128
@@ -96,10 +97,6 @@ def _blocks_of_band(x, dtype, pow2, ops):
   on an H200)."""
   c = x.shape[1]
   col_max = _common.abs_max(jnp.abs(x), 0)[None, :]  # (1, c)
-  if c == TILE:  # one block (the weights' kernel): no masks to apply
-    scale = reference.scale_from_amax(_common.abs_max(col_max, 1), dtype,
-                                      pow2)  # (1,)
-    return _common.saturate(ops.div(x, scale[:, None]), dtype, ops), scale
   block_of_col = lax.broadcasted_iota(jnp.int32, (1, c), 1) // TILE
   block_index = lax.broadcasted_iota(jnp.int32, (c // TILE,), 0)
   col_scale = jnp.ones((1, c), jnp.float32)
