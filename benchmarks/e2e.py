@@ -181,7 +181,7 @@ def run_point(p: dict) -> dict:
         compiled, state, batch, p['steps'])
     state, metrics = compiled(state, *batch)
     loss = float(metrics['loss'])
-    kernel_ms = None
+    kernel_ms = kernel_top = None
     if p['profile']:
       trace_dir = tempfile.mkdtemp(prefix='e2e_profile_')
       with jax.profiler.trace(trace_dir):
@@ -189,9 +189,13 @@ def run_point(p: dict) -> dict:
           state, metrics = compiled(state, *batch)
         jax.block_until_ready(metrics)
       kernel_ms = {}
-      for name, ms in step_profile.kernel_totals(trace_dir, 3).items():
+      stats = step_profile.kernel_stats(trace_dir, 3)
+      for name, (ms, _) in stats.items():
         label = step_profile.classify(name)
         kernel_ms[label] = kernel_ms.get(label, 0.0) + ms
+      # The longest kernels by name: [name, ms, launches] per step.
+      kernel_top = [[name, ms, n] for name, (ms, n) in sorted(
+          stats.items(), key=lambda kv: -kv[1][0])[:40]]
   device = jax.local_devices()[0]
   stats = device.memory_stats() or {}
   tokens_per_step = p['batch'] * p['seq']
@@ -203,7 +207,7 @@ def run_point(p: dict) -> dict:
       model_tflops=flops / seconds / 1e12, model_flops=flops,
       peak_bytes=stats.get('peak_bytes_in_use'),
       device_bytes=stats.get('bytes_limit'), compile_s=compile_s,
-      loss=loss, kernel_ms=kernel_ms,
+      loss=loss, kernel_ms=kernel_ms, kernel_top=kernel_top,
       temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -223,8 +223,8 @@ def _causal_attention(q, k, v) -> tuple[jax.Array, bool]:
 class Attention(nnx.Module):
   """Causal GQA self-attention with RoPE; projections are CoatLinear.
 
-  fuse_qkv: in FP8 modes with 'tensor' scaling, q/k/v_proj run as one
-  fused projection (see `Llama`)."""
+  fuse_qkv: in FP8 modes q/k/v_proj run as one fused projection (see
+  `Llama`)."""
 
   def __init__(self, config: LlamaConfig, *, precision: str, dtype: Any,
                param_dtype: Any, implementation: str | None,
@@ -249,12 +249,14 @@ class Attention(nnx.Module):
     self.fuse_qkv = fuse_qkv
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *,
-               reuse_output: bool = True, x_amax: jax.Array | None = None):
+               reuse_output: bool = True, x_amax: jax.Array | None = None,
+               residual: jax.Array | None = None):
     """(B, S, H) -> (B, S, H); cos/sin (S, head_dim // 2).
 
     reuse_output: where flash attention keeps its output o for backward,
     the out projection saves that o instead of an FP8 copy of its own.
-    x_amax: max |x| if its producer computed it (`fp8_dense`).
+    x_amax: max |x| if its producer computed it (`fp8_dense`). residual:
+    None, or (B, S, H) added in the out projection (`CoatLinear`).
     """
     b, s, _ = x.shape
     q, k, v = remat_lib.name(
@@ -268,7 +270,7 @@ class Attention(nnx.Module):
     o = remat_lib.name(o, remat_lib.ATTENTION)
     return remat_lib.name(
         self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim),
-                    reuse_input=reuse_output and o_kept),
+                    reuse_input=reuse_output and o_kept, residual=residual),
         remat_lib.OUT_PROJ)
 
 
@@ -299,11 +301,13 @@ class DecoderLayer(nnx.Module):
                reuse_attention_output: bool = True):
     """(B, S, H) bf16 residual stream -> same. reuse_attention_output: see
     `Attention`."""
+    # The skip connections are added in the out and down projections, in
+    # their GEMMs' epilogues where the kernel has one (`CoatLinear`).
     x, h, h_amax = self.attn_norm.with_input(x)
-    x = x + self.attn(h, cos, sin, reuse_output=reuse_attention_output,
-                      x_amax=h_amax)
+    x = self.attn(h, cos, sin, reuse_output=reuse_attention_output,
+                  x_amax=h_amax, residual=x)
     x, h, h_amax = self.mlp_norm.with_input(x)
-    return x + self.mlp(h, x_amax=h_amax)
+    return self.mlp(h, x_amax=h_amax, residual=x)
 
 
 class Llama(nnx.Module):
@@ -320,10 +324,12 @@ class Llama(nnx.Module):
       weights, not their float32 shards (FP8 modes; `coat_jax.nn.fsdp`).
     rngs: random number generators.
     scaling: FP8 scaling of the linear layers, 'tensor' or 'block'.
-    fuse_qkv: with 'tensor' scaling, run Q/K/V as one fused projection
-      (`fp8_dense`'s fused: one scale for the three weights and one for
-      their output gradients, one GEMM each way); False gives each its own
-      scales, as COAT's paper. The params are the same either way.
+    fuse_qkv: in FP8 modes, run Q/K/V as one fused projection, one GEMM
+      each way (`fp8_dense`'s fused): with 'tensor' scaling one scale for
+      the three weights and one for their output gradients (False gives
+      each its own, as COAT's paper); with 'block' the same tiles and
+      blocks as apart (the head widths are multiples of 128). The params
+      are the same either way.
   """
 
   def __init__(self, config: LlamaConfig, *, precision: str = 'coat',

@@ -8,7 +8,7 @@ follow MaxText's `remat_policy`:
   Under the layer scan this stacks every residual of the layer body, including
   elementwise ones that XLA would recompute for unrolled layers.
 - 'minimal': keeps the projections' outputs (q, k, v, the attention output
-  projection, SwiGLU's gate and up), the attention output and the flash
+  projection with its skip connection added, SwiGLU's gate and up), the attention output and the flash
   attention kernel's outputs, and in 'fp8_linear' and 'coat' modes the FP8
   residuals of the custom_vjps (in 'coat' those replace the BF16 GEMM
   outputs) and the weights' FP8 codes; recomputes elementwise work (norms,

@@ -1,7 +1,8 @@
 """The FP8 matmul seam of the layers: `pallas_kernels.fp8_matmul`'s API.
 
-`fp8_matmul(a, b, a_scale, b_scale, *, out_dtype, implementation)` computes
-(a @ b.T) * a_scale * b_scale for K-major FP8 operands a (M, K) and b (N, K),
+`fp8_matmul(a, b, a_scale, b_scale, *, out_dtype, implementation, c)`
+computes (a @ b.T) * a_scale * b_scale (+ c, in the GEMM's epilogue where
+the kernel has one) for K-major FP8 operands a (M, K) and b (N, K),
 M, N and K multiples of 16, with FP32 accumulation: cuBLASLt FP8 on GPU
 ('xla'), the Mosaic GPU kernel ('pallas'), a Triton-language kernel
 through jax_triton ('triton', a benchmark peer), an exact float32 dot on

@@ -30,7 +30,13 @@ the GEMM's K, each with its transposed copy (the wgrad operands) from the
 same pass: x^T tiled along the tokens (A: a scale per row per 128 tokens),
 g^T in 128x128 blocks (B: the block-scaled kernel runs per-row B scales at
 0.6x the speed of per-block ones); the weights in 128x128 blocks (one scale
-serves W and W^T). Tokens are padded to a multiple of 128 there.
+serves W and W^T). Tokens are padded to a multiple of 128 there. A fused
+projection (Q/K/V) keeps each part's own tiles and blocks, so it is one
+GEMM each way with the numbers of the parts apart (but dgrad's sum, now in
+float32 inside the GEMM), and the dgrad parts of unfused kernels (gate/up)
+are summed in the GEMMs' epilogues; a skip connection (`residual`) is added
+in the forward GEMM's epilogue too: no XLA add runs beside the Mosaic
+kernels (1b step on an H200: 188.1 -> 183.5 ms, RESULTS.md "e2e-1b").
 """
 
 from collections.abc import Sequence
@@ -224,21 +230,35 @@ _fp8_dense_2d.defvjp(fp8_dense_2d_fwd, fp8_dense_2d_bwd)
 BLOCK_TOKENS = block_quant.TILE
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _fp8_dense_block_2d(x, kernels, kernel_dtypes, implementation,
-                        gather_axes, reuse_input):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _fp8_dense_block_2d(x, kernels, addend, kernel_dtypes, implementation,
+                        gather_axes, reuse_input, fused, has_addend):
   """Block-scaled `_fp8_dense_2d`: (M, K) x (K, N_i) -> (M, N_i), any M.
 
   The tokens are zero-padded to a multiple of 128 inside (zero rows add
-  nothing to wgrad), so the padding leaves nothing else saved.
+  nothing to wgrad), so the padding leaves nothing else saved. fused: the
+  kernels run as one (K, sum N_i) projection (`block_fusable`). addend:
+  None, or (M, N_0) in x.dtype added to the one kernel's output in its
+  GEMM's epilogue (`fp8_dense`'s residual); has_addend: addend is not None.
   """
-  return _fp8_dense_block_fwd(x, kernels, kernel_dtypes, implementation,
-                              gather_axes, reuse_input)[0]
+  return _fp8_dense_block_fwd(x, kernels, addend, kernel_dtypes,
+                              implementation, gather_axes, reuse_input,
+                              fused, has_addend)[0]
 
 
 def _pad_tokens(a):
   pad = -a.shape[0] % BLOCK_TOKENS
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
+def block_fusable(kernels) -> bool:
+  """Whether block-scaled kernels can run as one projection with the codes
+  and scales they have apart: every part but the last a whole number of
+  128x128 weight blocks (and of 1x128 output-gradient tiles) wide, so no
+  block or tile straddles two parts, and one dtype."""
+  return (len(kernels) > 1
+          and len({jnp.dtype(w.dtype) for w in kernels}) == 1
+          and all(w.shape[1] % block_quant.TILE == 0 for w in kernels[:-1]))
 
 
 def _tiles_with_transpose(x, dtype, transpose_block=(1, block_quant.TILE)):
@@ -258,8 +278,20 @@ def _weight_blocks(w):
   return values, scales
 
 
-def _fp8_dense_block_fwd(x, kernels, kernel_dtypes, implementation,
-                         gather_axes, reuse_input):
+def _gemm_blocks(weights, gather_axes, fused):
+  """The kernels' (values (K, N_i), scales (K/128, N_i/128)) as the GEMMs
+  read them: all-gathered as FP8 under FSDP, and joined along N into one
+  (K, sum N_i) projection if fused (the same codes and scales)."""
+  blocks = [(_gathered(values, gather_axes, i), scales)
+            for i, (values, scales) in enumerate(weights)]
+  if fused:
+    blocks = [tuple(jnp.concatenate(a, axis=1) for a in zip(*blocks))]
+  return blocks
+
+
+def _fp8_dense_block_fwd(x, kernels, addend, kernel_dtypes, implementation,
+                         gather_axes, reuse_input, fused, has_addend):
+  del has_addend  # addend itself is None or not
   rows = x.shape[0]
   if reuse_input:  # backward quantizes x^T again, to the same codes
     x_values, x_scales, _, _ = block_quant.quantize_blockwise(
@@ -270,18 +302,21 @@ def _fp8_dense_block_fwd(x, kernels, kernel_dtypes, implementation,
         _pad_tokens(x), 'e4m3')
     # x^T (K, M) tiled along tokens with its scales (K, M / 128).
     kept, fp8 = (), (x_t, x_t_scales)
-  outs, weights = [], []
-  for i, w in enumerate(kernels):
-    w_values, w_scales = _weight_blocks(w)  # once per step, as 'tensor'
-    outs.append(fp8_matmul(
-        x_values, _gathered(w_values, gather_axes, i).T, x_scales,
-        w_scales.T, out_dtype=x.dtype, implementation=implementation)[:rows])
-    weights.append((w_values, w_scales))
+  # Once per step, as 'tensor'; backward multiplies the same codes.
+  weights = [_weight_blocks(w) for w in kernels]
+  c = None if addend is None else _pad_tokens(addend)
+  outs = [fp8_matmul(x_values, values.T, x_scales, scales.T,
+                     out_dtype=x.dtype, implementation=implementation,
+                     c=c)[:rows]
+          for values, scales in _gemm_blocks(weights, gather_axes, fused)]
+  if fused:
+    outs = _split_columns(outs[0], [w.shape[1] for w in kernels])
   return _outputs_and_residuals(outs, kept, fp8, weights)
 
 
 def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
-                         reuse_input, residuals, grads):
+                         reuse_input, fused, has_addend, residuals, grads):
+  d_addend = grads[0] if has_addend else None  # the sum's gradient
   saved, grads = after_grads(residuals, grads)
   *saved, weights = saved
   if reuse_input:
@@ -290,26 +325,35 @@ def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
   else:
     x_t, x_t_scales = saved
   dtype = grads[0].dtype
+  rows = grads[0].shape[0]
+  widths = [g.shape[1] for g in grads]
+  if fused:
+    # One (M, sum N_i) gradient: its tiles and blocks are the parts' own
+    # (`block_fusable`). The join is a copy (1b step on an H200: 1.0 ms of
+    # ~185; a quantizer that read the parts would save it).
+    grads = [jnp.concatenate(grads, axis=1)]
+    kernel_dtypes = kernel_dtypes[:1]
   dx = None
   dkernels = []
-  rows = grads[0].shape[0]
-  for i, ((w_values, w_scales), g, w_dtype) in enumerate(
-      zip(weights, grads, kernel_dtypes, strict=True)):
+  for (w_values, w_scales), g, w_dtype in zip(
+      _gemm_blocks(weights, gather_axes, fused), grads, kernel_dtypes,
+      strict=True):
     # g^T, wgrad's B operand, in 128x128 blocks: the block-scaled GEMM runs
     # per-row B scales at 0.6x the speed of per-block ones (NOTES.md).
     g_values, g_scales, g_t, g_t_scales = _tiles_with_transpose(
         _pad_tokens(g), 'e5m2', (block_quant.TILE, block_quant.TILE))
-    # dgrad: K of the GEMM is N; b = W (K, N) with W's own blocks.
-    part = fp8_matmul(g_values, _gathered(w_values, gather_axes, i),
-                      g_scales, w_scales,
-                      out_dtype=dtype, implementation=implementation)
-    dx = part if dx is None else dx + part  # in dtype, as 'tensor' does
+    # dgrad: K of the GEMM is N; b = W (K, N) with W's own blocks. The
+    # parts are summed in the GEMMs' epilogues, rounded once each.
+    dx = fp8_matmul(g_values, w_values, g_scales, w_scales, out_dtype=dtype,
+                    implementation=implementation, c=dx)
     # wgrad: K of the GEMM is the tokens; x^T tiled along them (a scale per
     # row per 128 tokens), g^T in 128x128 blocks.
     dkernels.append(fp8_matmul(
         x_t, g_t, x_t_scales, g_t_scales, out_dtype=w_dtype,
         implementation=implementation))
-  return dx[:rows], tuple(dkernels)
+  if fused:
+    dkernels = _split_columns(dkernels[0], widths)
+  return dx[:rows], tuple(dkernels), d_addend
 
 
 _fp8_dense_block_2d.defvjp(_fp8_dense_block_fwd, _fp8_dense_block_bwd)
@@ -368,7 +412,7 @@ def fp8_dense(
     implementation: str | None = None, scaling: str = 'tensor',
     gather_axes: tuple[tuple[str | None, ...] | None, ...] | None = None,
     reuse_input: bool = False, x_amax: jax.Array | None = None,
-    fused: bool = False,
+    fused: bool = False, residual: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
 
@@ -395,12 +439,21 @@ def fp8_dense(
       computed it (a Pallas kernel, into which XLA cannot fuse the
       reduction), else None; scaling 'tensor' only ('block' ignores it).
     fused: the kernels form one projection (Q/K/V): one (K, sum N_i) E4M3
-      weight with one scale, their output gradients one (M, sum N_i) E5M2
-      tensor with one scale, so forward, dgrad and wgrad are one GEMM each
-      (no per-kernel dgrads to sum). The parts share their scales, as a
-      fused projection's (Megatron's linear_qkv); False gives each kernel
-      its own (COAT's paper). The kernels must share one dtype. Scaling
-      'tensor' only; ignored for one kernel and with 'block'.
+      weight, their output gradients one (M, sum N_i) E5M2 tensor, so
+      forward, dgrad and wgrad are one GEMM each (no per-kernel dgrads to
+      sum). With 'tensor' the parts share their scales, as a fused
+      projection's (Megatron's linear_qkv), and must share one dtype; False
+      gives each kernel its own (COAT's paper). With 'block' the parts keep
+      their own tiles and blocks, so only dgrad's sum changes (float32 in
+      the GEMM instead of the parts' sum in x.dtype); it applies where
+      `block_fusable` holds (every part but the last a multiple of 128
+      wide, one dtype), elsewhere the kernels run apart. Ignored for one
+      kernel.
+    residual: None, or (..., N) in x.dtype for one kernel: returns
+      (residual + x @ w,) (a pre-norm block's skip connection), the sum
+      rounded once: with 'block' in the GEMM's epilogue (the Mosaic kernel
+      reads it as its C operand), with 'tensor' by XLA (cuBLASLt's C
+      operand). Its gradient is the output's.
 
   Returns:
     Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
@@ -414,10 +467,15 @@ def fp8_dense(
   check_fp8_dense_args(x, kernels, gather_axes)
   lead = x.shape[:-1]
   kernel_dtypes = tuple(jnp.dtype(w.dtype) for w in kernels)
+  if residual is not None:
+    _check_residual(residual, x, kernels)
   if scaling == 'block':  # pads the tokens itself
-    outs = _fp8_dense_block_2d(x.reshape(-1, x.shape[-1]), kernels,
+    addend = (None if residual is None
+              else residual.reshape(-1, residual.shape[-1]))
+    outs = _fp8_dense_block_2d(x.reshape(-1, x.shape[-1]), kernels, addend,
                                kernel_dtypes, implementation, gather_axes,
-                               reuse_input)
+                               reuse_input, fused and block_fusable(kernels),
+                               addend is not None)
     return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
   x2, rows = fp8_rows(x)
   pad = x2.shape[0] - rows
@@ -428,7 +486,20 @@ def fp8_dense(
                      f' {[str(d) for d in kernel_dtypes]}.')
   outs = _fp8_dense_2d(x2, kernels, x_amax, kernel_dtypes, implementation,
                        gather_axes, reuse_input and not pad, fused)
-  return tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
+  outs = tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
+  # XLA adds it in cuBLASLt's epilogue (its C operand), as it would outside.
+  return outs if residual is None else (residual + outs[0],)
+
+
+def _check_residual(residual, x, kernels) -> None:
+  if len(kernels) != 1:
+    raise ValueError(f'residual: {len(kernels)} kernels given; a residual is'
+                     ' added to the output of one kernel only.')
+  want = x.shape[:-1] + (kernels[0].shape[1],)
+  if residual.shape != want or residual.dtype != x.dtype:
+    raise ValueError(
+        f'residual has shape {residual.shape} and dtype {residual.dtype};'
+        f' it must be the output\'s: {want} {x.dtype}.')
 
 
 def bf16_dense(
@@ -446,20 +517,26 @@ def dense(
     dtype: Any = jnp.bfloat16, implementation: str | None = None,
     scaling: str = 'tensor', gather_axes: Any = None,
     reuse_input: bool = False, x_amax: jax.Array | None = None,
-    fused: bool = False,
+    fused: bool = False, residual: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """`x @ w` for each kernel, with the implementation of `precision`.
 
   'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense` with
-  `scaling`, `gather_axes`, `reuse_input`, `x_amax` and `fused` (BF16
-  matmuls ignore them). x is cast to `dtype` first; outputs are in `dtype`.
+  `scaling`, `gather_axes`, `reuse_input`, `x_amax`, `fused` and
+  `residual` (BF16 matmuls ignore all but residual, which XLA adds in
+  cuBLAS's epilogue). x is cast to `dtype` first; outputs are in `dtype`.
   """
   x = x.astype(dtype)
   if precision_lib.uses_fp8_matmuls(precision):
     return fp8_dense(x, kernels, implementation=implementation,
                      scaling=scaling, gather_axes=gather_axes,
-                     reuse_input=reuse_input, x_amax=x_amax, fused=fused)
-  return bf16_dense(x, kernels, dtype=dtype)
+                     reuse_input=reuse_input, x_amax=x_amax, fused=fused,
+                     residual=residual)
+  outs = bf16_dense(x, kernels, dtype=dtype)
+  if residual is None:
+    return outs
+  _check_residual(residual, x, kernels)
+  return (residual + outs[0],)
 
 
 class CoatLinear(nnx.Module):
@@ -539,14 +616,18 @@ class CoatLinear(nnx.Module):
     self.kernel_axes = kernel_axes
 
   def __call__(self, x: jax.Array, *, reuse_input: bool = False,
-               x_amax: jax.Array | None = None) -> jax.Array:
+               x_amax: jax.Array | None = None,
+               residual: jax.Array | None = None) -> jax.Array:
     """(..., in_features) -> (..., out_features) in `dtype`.
 
     reuse_input: x is kept for backward by its producer anyway (see
     `fp8_dense`): save it instead of an FP8 copy. x_amax: max |x| if its
-    producer computed it (see `fp8_dense`).
+    producer computed it (see `fp8_dense`). residual: None, or (...,
+    out_features) in `dtype` to add (a skip connection): residual + x @ w
+    (+ bias), added in the GEMM where the kernel can (see `fp8_dense`).
     """
-    return fanout(x, [self], reuse_input=reuse_input, x_amax=x_amax)[0]
+    return fanout(x, [self], reuse_input=reuse_input, x_amax=x_amax,
+                  residual=residual)[0]
 
 
 def layer_kernels(
@@ -564,13 +645,14 @@ def layer_kernels(
 def fanout(
     x: jax.Array, layers: Sequence[CoatLinear], *, reuse_input: bool = False,
     x_amax: jax.Array | None = None, fused: bool = False,
+    residual: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
   The layers must share precision, dtype, implementation, scaling and
   fp8_weight_gather (Q/K/V or gate/up projections). Returns one output per
-  layer. reuse_input, x_amax, fused (one scale and one GEMM for all the
-  layers' kernels): see `fp8_dense`.
+  layer. reuse_input, x_amax, fused (one GEMM for all the layers' kernels),
+  residual (one layer only): see `fp8_dense`.
   """
   first = layers[0]
 
@@ -586,7 +668,7 @@ def fanout(
   outs = dense(x, kernels, precision=first.precision, dtype=first.dtype,
                implementation=first.implementation, scaling=first.scaling,
                reuse_input=reuse_input, x_amax=x_amax,
-               gather_axes=gather_axes, fused=fused)
+               gather_axes=gather_axes, fused=fused, residual=residual)
   return tuple(
       y + fsdp.gather_weight(layer.bias[...]).astype(y.dtype)
       if layer.bias is not None else y

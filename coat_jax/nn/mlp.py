@@ -215,10 +215,12 @@ class CoatMLP(nnx.Module):
         hidden_features, in_features, kernel_axes=('mlp', 'embed'), **kwargs)
     self.precision = precision
 
-  def __call__(self, x: jax.Array, *,
-               x_amax: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, *, x_amax: jax.Array | None = None,
+               residual: jax.Array | None = None) -> jax.Array:
     """(..., in_features) -> (..., in_features) in `dtype`. x_amax: max |x|
-    if x's producer computed it (`fp8_dense`)."""
+    if x's producer computed it (`fp8_dense`). residual: None, or (...,
+    in_features) added to the output in the down projection (`CoatLinear`):
+    a pre-norm block's skip connection."""
     if (precision_lib.uses_fp8_activations(self.precision)
         and self.gate_proj.scaling == 'tensor'):
       kernels, gather_axes = linear.layer_kernels(
@@ -227,11 +229,11 @@ class CoatMLP(nnx.Module):
           x.astype(self.gate_proj.dtype), *kernels,
           implementation=self.gate_proj.implementation,
           gather_axes=gather_axes, x_amax=x_amax)
-      return self.down_proj(h, x_amax=h_amax)
+      return self.down_proj(h, x_amax=h_amax, residual=residual)
     gate, up = checkpoint_name(
         linear.fanout(x, [self.gate_proj, self.up_proj], x_amax=x_amax),
         GATE_UP)
     if precision_lib.uses_fp8_activations(self.precision):
       h, h_amax = fp8_swiglu_with_amax(gate, up)
-      return self.down_proj(h, x_amax=h_amax)
-    return self.down_proj(swiglu(gate, up))
+      return self.down_proj(h, x_amax=h_amax, residual=residual)
+    return self.down_proj(swiglu(gate, up), residual=residual)

@@ -23,8 +23,9 @@ class ModelConfig:
   preset: str = 'tiny'
   precision: str = 'coat'  # 'bf16', 'fp8_linear' or 'coat'
   scaling: str = 'tensor'  # FP8 linear layers: 'tensor' or 'block'
-  # Q/K/V as one fused FP8 projection (one scale for their weights, one for
-  # their gradients; 'tensor' scaling). False: a scale each (COAT's paper).
+  # Q/K/V as one fused FP8 projection, one GEMM each way ('tensor' scaling:
+  # one scale for their weights, one for their gradients; False: a scale
+  # each, COAT's paper. 'block': the same tiles and blocks either way).
   fuse_qkv: bool = True
   vocab_size: int | None = None  # None: the preset's
   hidden_size: int | None = None

@@ -119,7 +119,7 @@ def _check_scale(name: str, s) -> jax.Array:
   return s
 
 
-def _xla_matmul(a, b, scale, out_dtype):
+def _xla_matmul(a, b, scale, out_dtype, c=None):
   """XLA path: cuBLASLt FP8 precise accumulation on GPU, exact f32 on CPU.
 
   The result (a @ b.T) * scale is rounded once to out_dtype. On GPU the
@@ -140,13 +140,14 @@ def _xla_matmul(a, b, scale, out_dtype):
         a, b, _DIMS,
         precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
         preferred_element_type=out_dtype, out_sharding=out_sharding)
-    return acc * scale.astype(out_dtype)
+    out = acc * scale.astype(out_dtype)
+    return out if c is None else out + c
   # The FP8 preset is GPU-only; FP8 products are exact in float32.
   acc = jax.lax.dot_general(
       a.astype(jnp.float32), b.astype(jnp.float32), _DIMS,
       precision=jax.lax.Precision.HIGHEST,
       preferred_element_type=jnp.float32, out_sharding=out_sharding)
-  return (acc * scale).astype(out_dtype)
+  return reference.plus_c(acc * scale, c, out_dtype)
 
 
 def _check_operands(a, b, a_scale, b_scale):
@@ -195,7 +196,7 @@ def _check_block_scales(a, b, a_scale, b_scale) -> None:
         f' (N, ceil(K / 128)) = {(n, kb)} (per row of b).')
 
 
-def _xla_block_matmul(a, b, a_scale, b_scale, out_dtype):
+def _xla_block_matmul(a, b, a_scale, b_scale, out_dtype, c=None):
   """The block-scaled 'xla' path: one FP8 dot per 128 of K, scaled, summed.
 
   On a GPU each 128-K dot runs on the FP8 tensor cores with
@@ -206,12 +207,12 @@ def _xla_block_matmul(a, b, a_scale, b_scale, out_dtype):
   """
   if jax.default_backend() != 'gpu':
     return reference.fp8_matmul_block_reference(
-        a, b, a_scale, b_scale, out_dtype=out_dtype)
+        a, b, a_scale, b_scale, out_dtype=out_dtype, c=c)
   fp8_dot = lambda ab, bb: jax.lax.dot_general(
       ab, bb, _DIMS, precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
       preferred_element_type=jnp.float32)
   return reference.fp8_matmul_block_reference(
-      a, b, a_scale, b_scale, out_dtype=out_dtype, block_dot=fp8_dot)
+      a, b, a_scale, b_scale, out_dtype=out_dtype, block_dot=fp8_dot, c=c)
 
 
 def _block_kernel():
@@ -223,7 +224,7 @@ def _block_kernel():
   return getattr(mosaic_gpu_block, 'fp8_matmul_block_scaled_mosaic', None)
 
 
-def _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype):
+def _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype, c=None):
   """Calls the Mosaic GPU kernel: K padded to 128 (zero codes, scale 1),
   b's scales per row of b unless N is a multiple of 128 (per 128x128 block
   then, the smaller operand)."""
@@ -241,7 +242,7 @@ def _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype):
     b = jnp.pad(b, ((0, 0), (0, pad)))
   if n % BLOCK_K or n < BLOCK_K:
     b_scale = reference.expand_b_scale(b_scale, n)
-  return kernel(a, b, a_scale, b_scale, out_dtype=out_dtype)
+  return kernel(a, b, a_scale, b_scale, out_dtype=out_dtype, c=c)
 
 
 # implementation=None with block scales: the Mosaic GPU kernel on Hopper
@@ -273,22 +274,35 @@ def _resolve_block_implementation(implementation: str | None) -> str:
 
 def fp8_matmul_block_scaled(a: jax.Array, b: jax.Array, a_scale: jax.Array,
                             b_scale: jax.Array, *, out_dtype=jnp.bfloat16,
-                            implementation: str | None = None) -> jax.Array:
+                            implementation: str | None = None,
+                            c: jax.Array | None = None) -> jax.Array:
   """Block-scaled FP8 matmul (see `fp8_matmul`, which dispatches here)."""
   _check_operand_pair(a, b)
   _check_block_scales(a, b, a_scale, b_scale)
-  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
-    raise ValueError(f'out_dtype must be bfloat16 or float32, got {out_dtype}.')
+  _check_out(out_dtype, c, (a.shape[0], b.shape[0]))
   impl = _resolve_block_implementation(implementation)
   if impl == 'pallas':
-    return _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype)
-  return _xla_block_matmul(a, b, a_scale, b_scale, out_dtype)
+    return _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype, c)
+  return _xla_block_matmul(a, b, a_scale, b_scale, out_dtype, c)
+
+
+def _check_out(out_dtype, c, shape) -> None:
+  """Raises unless out_dtype is allowed and c is None or (M, N) of it."""
+  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+    raise ValueError(f'out_dtype must be bfloat16 or float32, got {out_dtype}.')
+  if c is not None and (getattr(c, 'shape', None) != shape
+                        or jnp.dtype(c.dtype) != jnp.dtype(out_dtype)):
+    raise ValueError(
+        f'c has shape {getattr(c, "shape", None)} and dtype'
+        f' {getattr(c, "dtype", None)}; it must be the output\'s: {shape}'
+        f' {jnp.dtype(out_dtype)}.')
 
 
 def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
                out_dtype=jnp.bfloat16,
-               implementation: str | None = None) -> jax.Array:
-  """FP8 matmul out = (a @ b.T) * a_scale * b_scale.
+               implementation: str | None = None,
+               c: jax.Array | None = None) -> jax.Array:
+  """FP8 matmul out = (a @ b.T) * a_scale * b_scale (+ c).
 
   With block scales (2-D a_scale and b_scale), out[m, n] = sum_kb
   (sum_{k in kb} a[m, k] b[n, k]) a_scale[m, kb] b_scale[., kb] over the
@@ -316,6 +330,10 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
       With block scales: 'xla' is an exact emulation (one FP8 dot per 128
       of K on a GPU, exact float32 elsewhere), 'pallas' the Mosaic GPU
       block-scaled kernel, None 'pallas' on Hopper when present.
+    c: None, or (M, N) out_dtype added to the scaled float32 product before
+      its one rounding: in the GEMM's epilogue (cuBLASLt's C operand under
+      'xla' on a GPU, the block-scaled Mosaic kernel's), after it with the
+      per-tensor 'pallas' and 'triton' kernels.
 
   Returns:
     (M, N) array of out_dtype.
@@ -326,16 +344,17 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
   if _is_block_scale(a_scale) or _is_block_scale(b_scale):
     return fp8_matmul_block_scaled(
         a, b, a_scale, b_scale, out_dtype=out_dtype,
-        implementation=implementation)
+        implementation=implementation, c=c)
   scale = _check_operands(a, b, a_scale, b_scale)
-  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
-    raise ValueError(f'out_dtype must be bfloat16 or float32, got {out_dtype}.')
+  _check_out(out_dtype, c, (a.shape[0], b.shape[0]))
   impl = resolve_implementation(implementation)
+  if impl == 'xla':
+    return _xla_matmul(a, b, scale, out_dtype, c)
   if impl == 'pallas':
-    return mosaic_gpu.fp8_matmul_mosaic(a, b, scale, out_dtype=out_dtype)
-  if impl == 'triton':
-    return triton_peer.fp8_matmul_triton(a, b, scale, out_dtype=out_dtype)
-  return _xla_matmul(a, b, scale, out_dtype)
+    out = mosaic_gpu.fp8_matmul_mosaic(a, b, scale, out_dtype=out_dtype)
+  else:
+    out = triton_peer.fp8_matmul_triton(a, b, scale, out_dtype=out_dtype)
+  return out if c is None else out + c
 
 
 # implementation=None for the grouped output picks the fused Pallas epilogue

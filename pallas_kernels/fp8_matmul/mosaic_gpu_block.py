@@ -171,15 +171,29 @@ def _promote_scaled(total, accs, add_scaled, release=()):
   return total
 
 
-def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
-            cfg: Config, b_granularity: str, as_from_gmem: bool,
+def _load_c(c_chunk, out_smem, wg, barrier):
+  """Warpgroup wg's (wg_m, chunk) block of c as float32 in the WGMMA
+  layout, copied by TMA through its epilogue buffer out_smem[wg] (once the
+  previous store has read it): rows past c's end come as zeros."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.copy_gmem_to_smem(c_chunk, out_smem.at[wg], barrier)
+  plgpu.barrier_wait(barrier)
+  return _load(out_smem.at[wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+
+
+def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
+            cfg: Config, b_granularity: str, as_from_gmem: bool, has_c: bool,
             m_iters: int, n_iters: int, k_iters: int, stages: int):
   """Kernel body. GMEM: a (Mp, Kp), b (Np, Kp) FP8; as (Kp / 128,
   M' / wg_m, wg_m) f32 (a_scale transposed); bs (Kp / 128, n') f32 for
-  'block' (n' >= n_iters, a multiple of 4), (Kp / 128, N') for 'row'; out
-  (Mp, Np). out_smem: the epilogue's buffer. Scale rows past M' and columns
-  past N' (or n') are read by TMA as zeros or as other scales (their
-  outputs are clipped or sliced off)."""
+  'block' (n' >= n_iters, a multiple of 4), (Kp / 128, N') for 'row'; with
+  has_c, c (Mp, Np) in out's dtype, added to the sum; out (Mp, Np). Then
+  out_smem, the epilogue's buffer, and with has_c a barrier per compute
+  warpgroup for c's copies into it. Scale rows past M' and columns past N'
+  (or n') are read by TMA as zeros or as other scales (their outputs are
+  clipped or sliced off)."""
+  c_gmem, (out_gmem, out_smem, *c_barrier) = (
+      (refs[0], refs[1:]) if has_c else (None, refs))
   wg_m = cfg.wg_m
   blocks = cfg.split_k  # 128-K blocks (and wgmma partials) per step
   rows_b = b_granularity == 'row'
@@ -291,9 +305,12 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, out_smem, *,
         if overlap:
           mosaic_gpu._line_up(tile_start)  # pylint: disable=protected-access
         total = run_pipeline(zeros())
-        out_tile = out_gmem.at[pl.ds(mi * cfg.block_m + wg * wg_m, wg_m),
-                               n_sl]
+        rows = pl.ds(mi * cfg.block_m + wg * wg_m, wg_m)
+        out_tile = out_gmem.at[rows, n_sl]
         for t, cs in zip(total, chunks):
+          if has_c:
+            t = t + _load_c(c_gmem.at[rows, n_sl].at[:, cs], out_smem, wg,
+                            c_barrier[0].at[wg])
           mosaic_gpu._store_tile(t, None, out_tile.at[:, cs], out_smem, wg)  # pylint: disable=protected-access
 
       def run(state=None):
@@ -315,8 +332,9 @@ def fp8_matmul_block_scaled_mosaic(
     a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     b_granularity: str | None = None, out_dtype=jnp.bfloat16,
     config: Config | None = None, a_scale_transposed: bool = False,
-    b_scale_transposed: bool = False) -> jax.Array:
-  """Block-scaled (a @ b.T) on Hopper with Pallas Mosaic GPU.
+    b_scale_transposed: bool = False, c: jax.Array | None = None
+) -> jax.Array:
+  """Block-scaled (a @ b.T) (+ c) on Hopper with Pallas Mosaic GPU.
 
   Args:
     a: (M, K) float8_e4m3fn or float8_e5m2, M a multiple of 16, K of 128.
@@ -339,10 +357,14 @@ def fp8_matmul_block_scaled_mosaic(
       scales, cdiv(N, 128) of 4, nothing at all runs besides the kernel).
       A quantizer can write this layout directly; the 'block' scales of W
       serve W^T (dgrad) transposed this way.
+    c: None, or (M, N) out_dtype added to the FP32 sum in the epilogue
+      before the one rounding (a residual stream, another GEMM's part):
+      no pass of its own over the output.
 
   Returns:
     (M, N) out_dtype: sum over kb of each 128-K partial sum (FP32, exact
-    products, promoted every 128 of K) times a_scale[m, kb] times b's scale.
+    products, promoted every 128 of K) times a_scale[m, kb] times b's scale
+    (plus c).
   """
   if plgpu is None:
     raise RuntimeError('jax.experimental.pallas.mosaic_gpu is unavailable.')
@@ -350,6 +372,10 @@ def fp8_matmul_block_scaled_mosaic(
     b_granularity = _granularity_of(b, b_scale, b_scale_transposed)
   m, n, k = _check_args(a, b, a_scale, b_scale, b_granularity, out_dtype,
                         a_scale_transposed, b_scale_transposed)
+  if c is not None and (c.shape != (m, n)
+                        or jnp.dtype(c.dtype) != jnp.dtype(out_dtype)):
+    raise ValueError(f'c has shape {c.shape} and dtype {c.dtype}; it must be'
+                     f' the output\'s, {(m, n)} {jnp.dtype(out_dtype)}.')
   cfg = config or select_config(m, n, b_granularity=b_granularity)
   validate_config(cfg, b_granularity)
   if b_granularity == 'block' and not BLOCK_SCALES_AS_SCALARS[0]:
@@ -358,7 +384,7 @@ def fp8_matmul_block_scaled_mosaic(
     else:
       b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=0)[:n]
     b_granularity = 'row'
-  return _call_kernel(a, b, a_scale, b_scale, b_granularity,
+  return _call_kernel(a, b, a_scale, b_scale, c, b_granularity,
                       jnp.dtype(out_dtype), cfg, a_scale_transposed,
                       b_scale_transposed, _Settings.now())
 
@@ -505,7 +531,7 @@ class _Settings(NamedTuple):
 @functools.partial(jax.jit, static_argnames=(
     'b_granularity', 'out_dtype', 'cfg', 'a_scale_transposed',
     'b_scale_transposed', 'settings'))
-def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg,
+def _call_kernel(a, b, a_scale, b_scale, c, b_granularity, out_dtype, cfg,
                  a_scale_transposed, b_scale_transposed, settings):
   """Pads to whole tiles, lays the scales out for TMA, runs the kernel."""
   m, k = a.shape
@@ -545,6 +571,8 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg,
     a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
   if (np_, kp) != (n, k):
     b = jnp.pad(b, ((0, np_ - n), (0, kp - k)))
+  if c is not None and (mp, np_) != (m, n):
+    c = jnp.pad(c, ((0, mp - m), (0, np_ - n)))
   m_iters = pl.cdiv(mp, cfg.block_m)
   n_iters = pl.cdiv(np_, cfg.block_n)
   k_iters = kp // cfg.block_k
@@ -553,11 +581,12 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg,
                           b_scale_transposed=b_scale_transposed)
   f = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
-                        as_from_gmem=as_from_gmem,
+                        as_from_gmem=as_from_gmem, has_c=c is not None,
                         m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
                         stages=stages),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-      scratch_types=[out_smem],
+      scratch_types=[out_smem] + ([] if c is None else [
+          plgpu.Barrier(num_arrivals=1, num_barriers=cfg.compute_wgs)]),
       grid=(settings.num_sms,),
       grid_names=('sm',),
       num_threads=cfg.compute_wgs + 1,
@@ -565,5 +594,5 @@ def _call_kernel(a, b, a_scale, b_scale, b_granularity, out_dtype, cfg,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=settings.lowering_semantics),
   )
-  out = f(a, b, a_s, b_s)
+  out = f(a, b, a_s, b_s, *([] if c is None else [c]))
   return out[:m, :n] if (mp, np_) != (m, n) else out

@@ -4,9 +4,16 @@ import jax
 import jax.numpy as jnp
 
 
+def plus_c(acc, c, out_dtype):
+  """float32 acc (+ c, in float32) rounded once to out_dtype."""
+  if c is not None:
+    acc = acc + c.astype(jnp.float32)
+  return acc.astype(out_dtype)
+
+
 def fp8_matmul_reference(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
-                         out_dtype=jnp.bfloat16) -> jax.Array:
-  """(a @ b.T) * (a_scale * b_scale) with exact float32 products.
+                         out_dtype=jnp.bfloat16, c=None) -> jax.Array:
+  """(a @ b.T) * (a_scale * b_scale) (+ c) with exact float32 products.
 
   Args:
     a: (M, K) FP8 (or any float) array.
@@ -14,6 +21,7 @@ def fp8_matmul_reference(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
     a_scale: () float32 dequantization scale of a.
     b_scale: () float32 dequantization scale of b.
     out_dtype: dtype of the result.
+    c: None or (M, N), added in float32 before the one rounding.
 
   Returns:
     (M, N) array of out_dtype. Products of FP8 values are exact in float32;
@@ -26,7 +34,7 @@ def fp8_matmul_reference(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
       preferred_element_type=jnp.float32)
   scale = (jnp.asarray(a_scale, jnp.float32)
            * jnp.asarray(b_scale, jnp.float32))
-  return (acc * scale).astype(out_dtype)
+  return plus_c(acc * scale, c, out_dtype)
 
 
 BLOCK_K = 128
@@ -46,7 +54,7 @@ def expand_b_scale(b_scale: jax.Array, n: int) -> jax.Array:
 
 def fp8_matmul_block_reference(a: jax.Array, b: jax.Array, a_scale, b_scale,
                                *, out_dtype=jnp.bfloat16,
-                               block_dot=None) -> jax.Array:
+                               block_dot=None, c=None) -> jax.Array:
   """Block-scaled (a @ b.T): each 128-K partial sum scaled, then summed.
 
   out[m, n] = sum_kb (sum_{k in kb} a[m, k] b[n, k]) a_scale[m, kb]
@@ -62,6 +70,7 @@ def fp8_matmul_block_reference(a: jax.Array, b: jax.Array, a_scale, b_scale,
     out_dtype: dtype of the result.
     block_dot: `(a_block (M, 128), b_block (N, 128)) -> float32 (M, N)`;
       None: float32 operands, precision HIGHEST (exact FP8 products).
+    c: None or (M, N), added to the float32 sum before the one rounding.
 
   Returns:
     (M, N) array of out_dtype.
@@ -91,4 +100,4 @@ def fp8_matmul_block_reference(a: jax.Array, b: jax.Array, a_scale, b_scale,
   acc, _ = jax.lax.scan(
       step, jnp.zeros((m, n), jnp.float32),
       (a_blocks, b_blocks, a_scale.T, b_scale.T))
-  return acc.astype(out_dtype)
+  return plus_c(acc, c, out_dtype)

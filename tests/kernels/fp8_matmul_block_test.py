@@ -413,6 +413,66 @@ def test_lowers_for_cuda(config, granularity, mnk, out_dtype):
   assert lowered.out_info.dtype == out_dtype
 
 
+@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize('out_dtype', [jnp.bfloat16, jnp.float32])
+def test_c_operand_lowers_for_cuda(config, out_dtype):
+  """With c (added in the epilogue, copied by TMA through its buffer)."""
+  m, n, k = 656, 400, 640
+  sa_shape, sb_shape = scale_shapes(m, n, k, 'block')
+  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
+            jax.ShapeDtypeStruct((n, k), E4M3),
+            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
+            jax.ShapeDtypeStruct(sb_shape, jnp.float32),
+            jax.ShapeDtypeStruct((m, n), out_dtype))
+  f = jax.jit(lambda a, b, sa, sb, c: mosaic_gpu_block.
+              fp8_matmul_block_scaled_mosaic(a, b, sa, sb, c=c,
+                                             out_dtype=out_dtype,
+                                             config=config))
+  lowered = f.trace(*shapes).lower(lowering_platforms=('cuda',))
+  assert 'mosaic_gpu' in lowered.as_text()
+  assert lowered.out_info.shape == (m, n)
+
+
+def test_c_operand_validation():
+  with pytest.raises(ValueError, match=r'c has shape \(64, 128\)'):
+    mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+        **_args(), c=jnp.zeros((64, 128), jnp.bfloat16))
+  with pytest.raises(ValueError, match='c has shape'):
+    mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+        **_args(), c=jnp.zeros((64, 256), jnp.float32))
+  args = _args()
+  del args['b_granularity']
+  with pytest.raises(ValueError, match="it must be the output's"):
+    api.fp8_matmul(**args, c=jnp.zeros((64, 256), jnp.float32),
+                   implementation='xla')
+
+
+@pytest.mark.parametrize('block_scales', [True, False])
+@pytest.mark.parametrize('out_dtype', [jnp.bfloat16, jnp.float32])
+def test_xla_c_is_added_before_the_one_rounding(block_scales, out_dtype):
+  """The 'xla' path (the oracle off the GPU): c joins the float32 result
+  before its one rounding; a product that bf16 rounds away alone survives
+  with c."""
+  m, n, k = 48, 272, 256
+  ka, kb, ks, kc = jax.random.split(jax.random.key(3), 4)
+  a = small_ints(ka, (m, k), E5M2)
+  b = small_ints(kb, (n, k), E4M3)
+  if block_scales:
+    sa, sb = pow2_scales(ks, m, n, k, 'block')
+  else:
+    sa, sb = jnp.float32(0.25), jnp.float32(2.0)
+  c = (jax.random.normal(kc, (m, n)) * 256 + 1024).astype(out_dtype)
+  out = api.fp8_matmul(a, b, sa, sb, out_dtype=out_dtype, c=c,
+                       implementation='xla')
+  exact = (ref_f64(a, b, sa, sb, 'block') if block_scales else
+           f64(a) @ f64(b).T * 0.5)
+  want = (exact.astype(np.float32) + np.asarray(c, np.float32)).astype(
+      np.float32)
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(jnp.asarray(want).astype(
+                                    out_dtype), np.float32))
+
+
 ALL_CONFIGS = CONFIGS + [mosaic_gpu_block.ROW_TWO_WG_CONFIG,
                          mosaic_gpu_block.ROW_THREE_WG_CONFIG]
 ALL_CONFIG_IDS = CONFIG_IDS + ['row_two_wg', 'row_three_wg']
@@ -534,6 +594,34 @@ def test_exact_with_pow2_tile_and_block_scales(config, granularity, a_dtype,
   out = block_kernel(a, b, sa, sb, granularity, config)
   assert out.shape == (m, n) and out.dtype == jnp.float32
   np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, granularity))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize('granularity', GRANULARITIES)
+@pytest.mark.parametrize('out_dtype,mnk', [
+    (jnp.bfloat16, (656, 400, 640)), (jnp.float32, (384, 256, 1024)),
+    (jnp.bfloat16, (2688, 2304, 512))])
+def test_c_is_added_before_the_one_rounding(config, granularity, out_dtype,
+                                            mnk):
+  """out = round(exact sum + c): the float32 sum is exact, so the kernel
+  must equal float32(exact) + float32(c), rounded once, over partial tiles
+  (c's copies reach past its end) and more tiles than SMs."""
+  m, n, k = mnk
+  ka, kb, ks, kc = jax.random.split(jax.random.key(m + k), 4)
+  a = small_ints(ka, (m, k), E5M2)
+  b = small_ints(kb, (n, k), E4M3)
+  sa, sb = pow2_scales(ks, m, n, k, granularity)
+  c = (jax.random.normal(kc, (m, n)) * 300).astype(out_dtype)
+  out = mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+      a, b, sa, sb, b_granularity=granularity, out_dtype=out_dtype,
+      config=config, c=c)
+  want = (ref_f64(a, b, sa, sb, granularity).astype(np.float32)
+          + np.asarray(c, np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(out, np.float32),
+      np.asarray(jnp.asarray(want).astype(out_dtype), np.float32))
 
 
 @pytest.fixture

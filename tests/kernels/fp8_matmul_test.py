@@ -846,7 +846,7 @@ def test_block_pallas_glue_pads_k_and_expands_scales(monkeypatch, n,
   calls = []
 
   def stand_in(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16,
-               config=None):
+               config=None, c=None):
     del config
     m, k = a.shape
     assert k % 128 == 0 and b.shape[1] == k
@@ -855,7 +855,7 @@ def test_block_pallas_glue_pads_k_and_expands_scales(monkeypatch, n,
     assert b_scale.shape == (rows, k // 128)
     calls.append(b_scale.shape)
     return api.reference.fp8_matmul_block_reference(
-        a, b, a_scale, b_scale, out_dtype=out_dtype)
+        a, b, a_scale, b_scale, out_dtype=out_dtype, c=c)
 
   monkeypatch.setattr(api, '_block_kernel', lambda: stand_in)
   monkeypatch.setattr(api, 'pallas_available', lambda: True)

@@ -156,16 +156,124 @@ def test_fused_is_one_concatenated_kernel_bit_for_bit(reuse_input):
       ((64, 48), 'float8_e4m3fn'), ((), 'float32')]
 
 
-def test_fused_needs_one_dtype_and_leaves_block_scaling_alone():
+def test_fused_needs_one_dtype_with_tensor_scaling():
   x = jax.random.normal(_key(), (2, 16, 64), jnp.bfloat16)
   w1, w2 = jnp.ones((64, 32)), jnp.ones((64, 16), jnp.bfloat16)
   with pytest.raises(ValueError, match='fused=True needs kernels of one'):
     cnn.fp8_dense(x, [w1, w2], fused=True)
-  ws = [jax.random.normal(_key(), (64, 32)), jnp.ones((64, 16))]
-  block = lambda fused: cnn.fp8_dense(x, ws, scaling='block', fused=fused)
-  for a, b in zip(block(True), block(False)):
+
+
+def _count_gemms(monkeypatch):
+  """A list that collects the shapes of every `fp8_matmul` the layers run."""
+  calls = []
+  linear = cnn.linear
+
+  def counted(a, b, *args, **kwargs):
+    calls.append((a.shape, b.shape))
+    return fp8_matmul(a, b, *args, **kwargs)
+  monkeypatch.setattr(linear, 'fp8_matmul', counted)
+  return calls
+
+
+def test_block_fused_is_one_gemm_each_way_with_the_parts_own_codes(
+    monkeypatch):
+  """With 'block' scaling a fused projection keeps each part's tiles and
+  blocks: the same outputs and weight gradients as the parts apart, bit for
+  bit, and dx (summed in float32 inside one GEMM rather than in bf16 across
+  three) as close to float32; one GEMM each way instead of one per part."""
+  k = jax.random.split(_key(), 5)
+  x = jax.random.normal(k[0], (2, 40, 256), jnp.bfloat16)
+  x = x.at[1, 3, 200].set(90.0)  # an outlier in one tile
+  # Parts of other magnitudes (other block scales); widths as Q/K/V's.
+  ws = [jax.random.normal(k[1], (256, 256)) * 0.1,
+        jax.random.normal(k[2], (256, 128)) * 3.0,
+        jax.random.normal(k[3], (256, 128)) * 1e-3]
+  dys = tuple(jax.random.normal(k[4], (2, 40, w.shape[1]), jnp.bfloat16)
+              * s for w, s in zip(ws, (1.0, 1e-2, 30.0)))
+  calls = _count_gemms(monkeypatch)
+
+  def run(fused, ws=ws):
+    fn = lambda x, ws: cnn.fp8_dense(x, ws, scaling='block', fused=fused)
+    ys, vjp = jax.vjp(fn, x, ws)
+    return ys, vjp(tuple(d[..., :y.shape[-1]] for d, y in zip(dys, ys)))
+
+  ys, (dx, dws) = run(True)
+  assert len(calls) == 3  # forward, dgrad, wgrad
+  ys_apart, (dx_apart, dws_apart) = run(False)
+  assert len(calls) == 3 + 9
+  for a, b in zip(ys + tuple(dws), ys_apart + tuple(dws_apart)):
     np.testing.assert_array_equal(np.asarray(a, np.float32),
                                   np.asarray(b, np.float32))
+  ref = jax.vjp(lambda x, ws: tuple(_ref(x, w) for w in ws), x, ws)[1](
+      tuple(d.astype(jnp.float32) for d in dys))[0]
+  err, err_apart = _rel(dx, ref), _rel(dx_apart, ref)
+  print(f'block dx vs float32: fused {err:.2e}, apart {err_apart:.2e}')
+  assert np.isfinite(np.asarray(dx, np.float32)).all()
+  assert err < 0.1 and err <= err_apart * 1.05
+  # Saved: as apart (x^T's codes and scales, each weight's blocks).
+  saved = [[(r.shape, str(r.dtype)) for r in cnn.saved_residuals(
+      lambda x, ws: cnn.fp8_dense(x, ws, scaling='block', fused=f), x, ws)]
+           for f in (True, False)]
+  assert saved[0] == saved[1]
+  # A first part that is not whole 128-wide blocks: the parts run apart.
+  del calls[:]
+  odd = [jax.random.normal(k[1], (256, 64)), ws[1]]
+  assert not cnn.linear.block_fusable(odd)
+  ys_odd, _ = run(True, odd)
+  assert len(calls) == 2 + 4
+  for a, w in zip(ys_odd, odd):
+    assert _rel(a, _ref(x, w)) < 0.06
+
+
+@pytest.mark.parametrize('precision,scaling', [
+    ('bf16', 'tensor'), ('coat', 'tensor'), ('coat', 'block')])
+def test_residual_joins_the_output_and_takes_its_gradient(precision,
+                                                          scaling):
+  """residual + x @ w (a skip connection): the output plus the residual,
+  rounded once ('block': in the GEMM, so within one bf16 step of the
+  separately rounded sum; elsewhere XLA's add, the same bits); the
+  residual's gradient is the output's, and x and w get the same gradients
+  as without it."""
+  k = jax.random.split(_key(), 4)
+  x = jax.random.normal(k[0], (2, 40, 128), jnp.bfloat16)
+  w = jax.random.normal(k[1], (128, 256)) * 0.1
+  r = jax.random.normal(k[2], (2, 40, 256), jnp.bfloat16) * 4
+  dy = jax.random.normal(k[3], (2, 40, 256), jnp.bfloat16)
+  run = lambda x, w, r=None: cnn.dense(
+      x, [w], precision=precision, scaling=scaling, residual=r)[0]
+  y, vjp = jax.vjp(run, x, w, r)
+  dx, dw, dr = vjp(dy)
+  y0, vjp0 = jax.vjp(run, x, w)
+  dx0, dw0 = vjp0(dy)
+  want = np.asarray(r, np.float32) + np.asarray(y0, np.float32)
+  got = np.asarray(y, np.float32)
+  if scaling == 'block':
+    # Half a bf16 step of y0 (2^-8 |y0|) and of the sum (2^-8 |r + y0|).
+    bound = (np.abs(np.asarray(r, np.float32))
+             + np.abs(np.asarray(y0, np.float32))) * 2.0**-7
+    assert np.all(np.abs(got - want) <= bound)
+    assert not np.array_equal(got, np.asarray(
+        jnp.asarray(r) + jnp.asarray(y0), np.float32))  # rounded once
+  else:
+    np.testing.assert_array_equal(got, np.asarray(
+        jnp.asarray(r) + jnp.asarray(y0), np.float32))
+  np.testing.assert_array_equal(np.asarray(dr), np.asarray(dy))
+  for a, b in ((dx, dx0), (dw, dw0)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+
+
+def test_residual_errors_name_the_argument():
+  x = jnp.ones((2, 16, 128), jnp.bfloat16)
+  ws = [jnp.ones((128, 128)), jnp.ones((128, 128))]
+  with pytest.raises(ValueError, match='residual: 2 kernels given'):
+    cnn.fp8_dense(x, ws, residual=jnp.ones((2, 16, 128), jnp.bfloat16))
+  with pytest.raises(ValueError, match='residual has shape'):
+    cnn.fp8_dense(x, ws[:1], scaling='block',
+                  residual=jnp.ones((2, 16, 128), jnp.float32))
+  with pytest.raises(ValueError, match='residual has shape'):
+    cnn.dense(x, ws[:1], precision='bf16',
+              residual=jnp.ones((16, 128), jnp.bfloat16))
 
 
 def test_saves_only_fp8_codes_and_scales():
@@ -391,24 +499,30 @@ def test_block_module_and_errors():
 
 
 @pytest.mark.gpu
-def test_gpu_block_layer_default_path_matches_xla():
+@pytest.mark.parametrize('widths', [(5632,), (2048, 256, 256)])
+def test_gpu_block_layer_default_path_matches_xla(widths):
   """On one Hopper GPU the block layer's default path (Pallas quantizers,
-  the Mosaic block GEMM when present) against the all-XLA path."""
-  k = jax.random.split(_key(), 3)
+  the Mosaic block GEMM when present) against the all-XLA path: one kernel,
+  and Q/K/V of the 1b model as one fused projection."""
+  k = jax.random.split(_key(), 2 + len(widths))
   x = jax.random.normal(k[0], (8, 512, 2048), jnp.bfloat16)
-  w = jax.random.normal(k[1], (2048, 5632)) * 0.02
-  dy = jax.random.normal(k[2], (8, 512, 5632), jnp.bfloat16)
+  ws = [jax.random.normal(kw, (2048, n)) * 0.02
+        for kw, n in zip(k[2:], widths)]
+  dys = tuple(jax.random.normal(k[1], (8, 512, n), jnp.bfloat16)
+              for n in widths)
 
   def run(implementation):
-    fn = lambda a, b: cnn.fp8_dense(a, [b], scaling='block',
-                                    implementation=implementation)[0]
-    y, vjp = jax.vjp(fn, x, w)
-    return (y, *vjp(dy))
+    fn = lambda a, bs: cnn.fp8_dense(a, bs, scaling='block', fused=True,
+                                     implementation=implementation)
+    ys, vjp = jax.vjp(fn, x, ws)
+    return (*ys, *jax.tree.leaves(vjp(dys)))
 
   fast = jax.jit(lambda: run(None))()
   slow = jax.jit(lambda: run('xla'))()
-  ref = jax.jit(lambda: (lambda y, vjp: (y, *vjp(dy.astype(jnp.float32))))(
-      *jax.vjp(_ref, x, w)))()
+  ref_fn = lambda a, bs: tuple(_ref(a, b) for b in bs)
+  ref = jax.jit(lambda: (lambda ys, vjp: (*ys, *jax.tree.leaves(vjp(
+      tuple(d.astype(jnp.float32) for d in dys)))))(*jax.vjp(ref_fn, x, ws)))()
+  assert len(fast) == 2 * len(widths) + 1
   for a, b, r in zip(fast, slow, ref):
     assert _rel(a, b) < 1e-2
     assert _rel(a, r) < 0.09
