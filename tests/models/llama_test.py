@@ -341,7 +341,7 @@ def test_block_scaling_fuses_qkv_with_the_same_forward_scanned_or_not():
   loss_apart, g_apart = _grads(cfg, 'coat', tokens, targets,
                                scaling='block', fuse_qkv=False)
   assert loss == loss_apart
-  assert not np.array_equal(g, g_apart) and _cos(g, g_apart) > 0.9999
+  assert not np.array_equal(g, g_apart) and _cos(g, g_apart) > 0.999
   scanned = dataclasses.replace(cfg, scan_layers=True)
   loss_scan, g_scan = _grads(scanned, 'coat', tokens, targets,
                              scaling='block')
