@@ -26,7 +26,9 @@ total += part * a_s[:, None] * b_s, with
   instead, it cost 6-19% of the kernel's time: RESULTS.md); for 'row' a
   (block_n,) column vector per K block, pipelined by TMA from a
   (K // 128, N) copy (WGMMA column layout).
-The output is not scaled again: the FP32 sum is cast and stored.
+The output is not scaled again: the FP32 sum (plus c, an optional (M, N)
+operand in the output's dtype that each warpgroup copies by TMA through
+its epilogue buffer) is cast and stored.
 
 NaN and Inf propagate by IEEE rules: a NaN in a[m, :] or a_scale[m, :]
 makes row m of the output NaN, a NaN in b_scale makes its block's (or
