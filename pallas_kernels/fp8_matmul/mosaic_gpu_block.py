@@ -194,8 +194,10 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
   warpgroup for c's copies into it. Scale rows past M' and columns past N'
   (or n') are read by TMA as zeros or as other scales (their outputs are
   clipped or sliced off)."""
-  c_gmem, (out_gmem, out_smem, *c_barrier) = (
-      (refs[0], refs[1:]) if has_c else (None, refs))
+  if has_c:
+    c_gmem, out_gmem, out_smem, c_barriers = refs
+  else:
+    (out_gmem, out_smem), c_gmem, c_barriers = refs, None, None
   wg_m = cfg.wg_m
   blocks = cfg.split_k  # 128-K blocks (and wgmma partials) per step
   rows_b = b_granularity == 'row'
@@ -312,7 +314,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
         for t, cs in zip(total, chunks):
           if has_c:
             t = t + _load_c(c_gmem.at[rows, n_sl].at[:, cs], out_smem, wg,
-                            c_barrier[0].at[wg])
+                            c_barriers.at[wg])
           mosaic_gpu._store_tile(t, None, out_tile.at[:, cs], out_smem, wg)  # pylint: disable=protected-access
 
       def run(state=None):
