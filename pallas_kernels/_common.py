@@ -349,6 +349,22 @@ def _gpu_supports_pallas() -> bool:
     return False
 
 
+def check_parts(parts) -> tuple[jax.Array, ...]:
+  """`parts` as a tuple of arrays: one or more 2-D floating arrays with the
+  same rows and dtype (the columns of one tensor, side by side), else a
+  ValueError or TypeError naming what is wrong."""
+  parts = tuple(jnp.asarray(x) for x in parts)
+  if not parts or any(x.ndim != 2 or x.shape[0] != parts[0].shape[0]
+                      or x.dtype != parts[0].dtype for x in parts):
+    raise ValueError(
+        'parts must be one or more 2-D arrays with the same rows and dtype;'
+        f' got {[(x.shape, str(x.dtype)) for x in parts]}.')
+  if not jnp.issubdtype(parts[0].dtype, jnp.floating):
+    raise TypeError(f'parts have dtype {parts[0].dtype}; quantization needs'
+                    ' floating arrays (cast with x.astype(jnp.float32)).')
+  return parts
+
+
 def resolve_implementation(
     implementation: str | None, pallas_default: bool = True
 ) -> tuple[str, bool]:

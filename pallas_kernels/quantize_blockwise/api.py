@@ -85,3 +85,38 @@ def quantize_blockwise(
   return reference.quantize_blockwise(
       x, block, dt, transpose=transpose, pow2=bool(pow2_scales),
       transpose_block=transpose_block)
+
+
+def quantize_blockwise_parts(
+    parts, dtype: Any = 'e4m3', *, transpose: bool = False,
+    pow2_scales: bool = False, transpose_block: tuple[int, int] = (1, TILE),
+    implementation: str | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+  """`quantize_blockwise(jnp.concatenate(parts, axis=1), (1, 128), ...)`
+  without writing the concatenation: the Pallas path reads each tile from
+  its part (of a fused projection's gradient: the parts come from
+  different producers). It needs every part but the last a multiple of 128
+  wide (so no tile straddles two parts); otherwise the parts are joined.
+
+  Args:
+    parts: 2-D (rows, n_i) floating arrays, same rows and dtype.
+    dtype, transpose, pow2_scales, transpose_block, implementation: as
+      `quantize_blockwise` with block (1, 128).
+
+  Returns:
+    As `quantize_blockwise` of the (rows, sum n_i) concatenation.
+  """
+  parts = _common.check_parts(parts)
+  transpose_block = check_block(transpose_block)
+  dt = _common.fp8_dtype(dtype)
+  impl, interpret = _common.resolve_implementation(
+      implementation, PALLAS_IS_DEFAULT)
+  if impl == 'pallas' and all(x.size for x in parts):
+    from pallas_kernels.quantize_blockwise import pallas_triton
+    if pallas_triton.parts_tile_cols(tuple(x.shape[1] for x in parts)):
+      return pallas_triton.quantize_blockwise_parts(
+          parts, dt, transpose=transpose, pow2=bool(pow2_scales),
+          transpose_block=transpose_block, interpret=interpret)
+  return reference.quantize_blockwise_parts(
+      parts, dt, transpose=transpose, pow2=bool(pow2_scales),
+      transpose_block=transpose_block)

@@ -124,14 +124,36 @@ def _widen(x):
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _tiles_kernel(x_ref, *out_refs, rows, cols, ncb, dtype, pow2, transpose,
+def _tiles_kernel(*refs, parts, rows, cols, ncb, dtype, pow2, transpose,
                   t_blocks, ops):
-  br, bc = x_ref.shape
+  """refs: one input ref per part of x's columns (`parts`: each one's
+  (first column tile, width)), then the outputs. A tile lies in one part."""
+  in_refs, out_refs = refs[:len(parts)], refs[len(parts):]
+  br, bc = in_refs[0].shape
   pid = pl.program_id(0)
   i, j = pid // ncb, pid % ncb
   exact = rows % br == 0 and cols % bc == 0
+  if len(parts) == 1:
+    _encode_tile(in_refs[0], out_refs, i, j, j, rows, cols, exact, dtype,
+                 pow2, transpose, t_blocks, ops)
+    return
+  for x_ref, (first, width) in zip(in_refs, parts):
+    @pl.when((j >= first) & (j < first + pl.cdiv(width, bc)))
+    def _(x_ref=x_ref, first=first, width=width):
+      _encode_tile(x_ref, out_refs, i, j, j - first, rows, cols,
+                   rows % br == 0 and width % bc == 0, dtype,
+                   pow2, transpose, t_blocks, ops, part_cols=width)
+
+
+def _encode_tile(x_ref, out_refs, i, j, part_j, rows, cols, exact, dtype,
+                 pow2, transpose, t_blocks, ops, part_cols=None):
+  """Loads tile (i, part_j) of x_ref (a part `part_cols` wide, x itself by
+  default) and writes its codes and scales as tile (i, j) of the outputs."""
+  br, bc = x_ref.shape
   mask = None if exact else _common.tile_mask(i, j, (br, bc), (rows, cols))
-  x = _common.masked_load(x_ref, mask, 0.0, dtype=None)  # see _widen
+  load_mask = mask if part_cols is None or exact else _common.tile_mask(
+      i, part_j, (br, bc), (rows, part_cols))
+  x = _common.masked_load(x_ref, load_mask, 0.0, dtype=None)  # see _widen
   values, scales = _quantize_tile(x.astype(jnp.float32), dtype, pow2, ops)
   smask = None if exact else _common.tile_mask(
       i, j, (br, bc // TILE), (rows, pl.cdiv(cols, TILE)))
@@ -197,6 +219,56 @@ def quantize_blockwise(
         name='quantize_blocks',
     )(x2)
     return values.reshape(shape), scales, None, None
+  values, scales, values_t, scales_t = _tiles_call(
+      (x2,), dt, pow2, transpose, transpose_block, block_sizes, interpret)
+  values = values.reshape(shape)
+  scales = scales.reshape(shape[:-1] + (kb,) if shape else (kb,))
+  return values, scales, values_t, scales_t
+
+
+def parts_tile_cols(widths: tuple[int, ...],
+                    block_sizes: BlockSizes = BlockSizes()) -> int | None:
+  """The tile width at which no tile straddles two parts of these widths:
+  block_sizes.block_cols, or 128 where that is what divides every part but
+  the last; None if even 128 does not."""
+  for bc in (block_sizes.block_cols, TILE):
+    if all(w % bc == 0 for w in widths[:-1]):
+      return bc
+  return None
+
+
+@functools.partial(
+    jax.jit, static_argnames=('dtype', 'transpose', 'pow2', 'transpose_block',
+                              'block_sizes', 'interpret'))
+def quantize_blockwise_parts(
+    parts: tuple[jax.Array, ...], dtype: Any = 'e4m3', *,
+    transpose: bool = False, pow2: bool = False,
+    transpose_block: tuple[int, int] = (1, TILE),
+    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+  """Pallas version of `reference.quantize_blockwise_parts` (same
+  contract): one pass over the parts, each tile read from its own part
+  (`parts_tile_cols` must give a width). No concatenation is written."""
+  widths = tuple(x.shape[1] for x in parts)
+  bc = parts_tile_cols(widths, block_sizes)
+  if bc is None:
+    raise ValueError(f'parts of widths {widths}: every part but the last'
+                     f' must be a multiple of {TILE} wide.')
+  return _tiles_call(tuple(parts), _common.fp8_dtype(dtype), pow2,
+                     transpose, transpose_block,
+                     dataclasses.replace(block_sizes, block_cols=bc),
+                     interpret)
+
+
+def _tiles_call(parts, dt, pow2, transpose, transpose_block, block_sizes,
+                interpret):
+  """The 1x128 tile quantizer over 2-D parts side by side (rows, sum n_i):
+  (values, scales (rows, KB), values_t, scales_t) as `quantize_blockwise`
+  of their concatenation; with several parts, block_sizes.block_cols
+  divides every part but the last."""
+  rows = parts[0].shape[0]
+  cols = sum(x.shape[1] for x in parts)
+  kb, mb = pl.cdiv(cols, TILE), pl.cdiv(rows, TILE)
   t_blocks = transpose and tuple(transpose_block) == (TILE, TILE)
   num_warps = block_sizes.num_warps
   if num_warps is None:
@@ -218,18 +290,29 @@ def quantize_blockwise(
                   jax.ShapeDtypeStruct((cols, mb), jnp.float32)]
     out_specs += [_spec((bc, br), ncb, True),
                   _spec((bc, br // TILE), ncb, True)]
+  # Each part's tiles: its first tile column and width; programs of the
+  # other parts see a clamped (unread) block of it.
+  firsts = [sum(x.shape[1] for x in parts[:p]) // bc
+            for p in range(len(parts))]
+  in_specs = [pl.BlockSpec((br, bc), lambda q, first=first, last=(
+      pl.cdiv(x.shape[1], bc) - 1): (q // ncb, jnp.clip(q % ncb - first, 0,
+                                                         last)))
+              for x, first in zip(parts, firsts)]
+  if len(parts) == 1:
+    in_specs = [_spec((br, bc), ncb)]
   outs = pl.pallas_call(
-      functools.partial(_tiles_kernel, rows=rows, cols=cols, ncb=ncb,
-                        dtype=dt, pow2=pow2, transpose=transpose,
-                        t_blocks=t_blocks, ops=ops),
+      functools.partial(_tiles_kernel,
+                        parts=tuple((f, x.shape[1])
+                                    for f, x in zip(firsts, parts)),
+                        rows=rows, cols=cols, ncb=ncb, dtype=dt, pow2=pow2,
+                        transpose=transpose, t_blocks=t_blocks,
+                        ops=_common.kernel_ops(interpret)),
       grid=(pl.cdiv(rows, br) * ncb,),
-      in_specs=[_spec((br, bc), ncb)],
+      in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape, interpret=interpret,
       compiler_params=_common.compiler_params(num_warps, 1),
       name='quantize_tiles',
-  )(x2)
-  values = outs[0].reshape(shape)
-  scales = outs[1].reshape(shape[:-1] + (kb,) if shape else (kb,))
+  )(*parts)
   if not transpose:
-    return values, scales, None, None
-  return values, scales, outs[2], outs[3]
+    return outs[0], outs[1], None, None
+  return tuple(outs)

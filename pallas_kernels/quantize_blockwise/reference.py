@@ -177,6 +177,17 @@ def quantize_blockwise(
   return values, scales, values_t, scales_t
 
 
+def quantize_blockwise_parts(
+    parts, dtype: Any = 'e4m3', *, transpose: bool = False,
+    pow2: bool = False, transpose_block: tuple[int, int] = (1, TILE)
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+  """`quantize_blockwise` in 1x128 tiles of the 2-D `parts` side by side
+  (rows, sum n_i): the same four results as of their concatenation."""
+  return quantize_blockwise(jnp.concatenate(parts, axis=1), (1, TILE),
+                            dtype, transpose=transpose, pow2=pow2,
+                            transpose_block=transpose_block)
+
+
 def dequantize_blocks(
     values: jax.Array, scales: jax.Array, *, out_dtype: Any = jnp.float32
 ) -> jax.Array:

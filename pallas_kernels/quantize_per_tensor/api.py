@@ -76,15 +76,7 @@ def quantize_per_tensor_parts(
     (values (rows, sum n_i) FP8, scale () scale_dtype, values_t (sum n_i,
     rows) FP8 or None).
   """
-  parts = tuple(jnp.asarray(x) for x in parts)
-  if not parts or any(x.ndim != 2 or x.shape[0] != parts[0].shape[0]
-                      or x.dtype != parts[0].dtype for x in parts):
-    raise ValueError(
-        'parts must be one or more 2-D arrays with the same rows and dtype;'
-        f' got {[(x.shape, str(x.dtype)) for x in parts]}.')
-  if not jnp.issubdtype(parts[0].dtype, jnp.floating):
-    raise TypeError(f'parts have dtype {parts[0].dtype}; quantization needs'
-                    ' floating arrays.')
+  parts = _common.check_parts(parts)
   if amax is not None and jnp.shape(amax) != ():
     raise ValueError(f'amax must be a scalar, got shape {jnp.shape(amax)}.')
   dt = _common.fp8_dtype(dtype)

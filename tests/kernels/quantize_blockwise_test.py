@@ -291,6 +291,56 @@ def test_kernel_blocks_match_reference(shape, fmt, pow2):
   assert_same(got, want)
 
 
+# Parts (rows, widths): each tile read from its own part. 256-wide tiles
+# where every part but the last is a multiple of 256, else 128; the last
+# part may end mid-tile; rows may end mid-band.
+PARTS_CASES = [
+    (256, (256, 128, 128)),  # the 1b Q/K/V shape, scaled down: 128-wide tiles
+    (256, (512, 256, 256)),  # 256-wide tiles
+    (200, (256, 256, 300)),  # partial last tile and partial last band
+    (130, (128, 384, 40)),
+    (128, (384,)),  # one part
+]
+
+
+@pytest.mark.parametrize('rows,widths', PARTS_CASES)
+@pytest.mark.parametrize('fmt,transpose_block', [('e5m2', (128, 128)),
+                                                 ('e4m3', (1, 128))])
+def test_kernel_parts_match_the_concatenation(rows, widths, fmt,
+                                              transpose_block):
+  x = np.array(normal(12, (rows, sum(widths)), 4.0))
+  x[5, 130] = np.nan  # confined to its tiles, in the first part
+  x[-1, -1] = np.inf
+  x[:128, sum(widths[:-1]):] = 0.0  # a zero band of the last part
+  x = jnp.asarray(x, jnp.bfloat16)
+  parts = tuple(jnp.split(x, np.cumsum(widths)[:-1], axis=1))
+  kw = dict(transpose=True, transpose_block=transpose_block)
+  got = pallas_triton.quantize_blockwise_parts(parts, fmt, interpret=True,
+                                               **kw)
+  want = reference.quantize_blockwise(x, (1, 128), fmt, **kw)
+  assert_same(got, want)
+  assert_same(api.quantize_blockwise_parts(parts, fmt, implementation='xla',
+                                           **kw), want)
+
+
+def test_parts_tile_width_and_fallback():
+  assert pallas_triton.parts_tile_cols((512, 256, 100)) == 256
+  assert pallas_triton.parts_tile_cols((2048, 128, 128)) == 128
+  assert pallas_triton.parts_tile_cols((200, 128)) is None
+  # A part that is not a whole number of tiles wide: the parts are joined.
+  parts = (normal(13, (64, 200)), normal(14, (64, 128)))
+  want = reference.quantize_blockwise(jnp.concatenate(parts, axis=1),
+                                      (1, 128), transpose=True)
+  assert_same(api.quantize_blockwise_parts(parts, transpose=True,
+                                           implementation='pallas'), want)
+  with pytest.raises(ValueError, match='multiple of 128'):
+    pallas_triton.quantize_blockwise_parts(parts, interpret=True)
+  with pytest.raises(ValueError, match='same rows'):
+    api.quantize_blockwise_parts((normal(0, (4, 128)), normal(0, (5, 128))))
+  with pytest.raises(TypeError, match='floating'):
+    api.quantize_blockwise_parts((jnp.arange(128).reshape(1, 128),))
+
+
 def test_api_dispatch_and_errors():
   x = normal(10, (16, 256))
   a = api.quantize_blockwise(x, (1, 128), transpose=True,
@@ -335,6 +385,20 @@ def test_gpu_kernel_matches_reference(shape, pow2):
     assert_same(got, want)
     kw = dict(transpose=True, pow2=pow2, transpose_block=(128, 128))
     got = pallas_triton.quantize_blockwise(x, (1, 128), fmt, **kw)
+    want = jax.jit(lambda v, f=fmt: reference.quantize_blockwise(
+        v, (1, 128), f, **kw))(x)
+    assert_same(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('widths', [(2048, 256, 256), (4096, 4096, 4096),
+                                    (256, 128, 200)])
+def test_gpu_parts_match_the_concatenation(widths):
+  x = normal(15, (2000, sum(widths)), 3.0).astype(jnp.bfloat16)
+  parts = tuple(jnp.split(x, np.cumsum(widths)[:-1], axis=1))
+  for fmt, tb in (('e5m2', (128, 128)), ('e4m3', (1, 128))):
+    kw = dict(transpose=True, transpose_block=tb)
+    got = pallas_triton.quantize_blockwise_parts(parts, fmt, **kw)
     want = jax.jit(lambda v, f=fmt: reference.quantize_blockwise(
         v, (1, 128), f, **kw))(x)
     assert_same(got, want)
