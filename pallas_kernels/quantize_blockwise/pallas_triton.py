@@ -62,6 +62,16 @@ def _spec(block, ncb, transposed=False):
   return pl.BlockSpec(block, lambda p: (p // ncb, p % ncb))
 
 
+def _part_spec(block, ncb, first, tiles):
+  """The input spec of a part whose `tiles` tile columns start at tile
+  column `first` of the whole: programs of other parts get a clamped block
+  of it, which they do not read."""
+  if first == 0 and tiles == ncb:
+    return _spec(block, ncb)
+  return pl.BlockSpec(block, lambda p: (
+      p // ncb, jnp.clip(p % ncb - first, 0, tiles - 1)))
+
+
 def _quantize_tile(x, dtype, pow2, ops):
   """float32 (r, c) -> (values (r, c), scales (r, c // 128))."""
   r, c = x.shape
@@ -290,16 +300,10 @@ def _tiles_call(parts, dt, pow2, transpose, transpose_block, block_sizes,
                   jax.ShapeDtypeStruct((cols, mb), jnp.float32)]
     out_specs += [_spec((bc, br), ncb, True),
                   _spec((bc, br // TILE), ncb, True)]
-  # Each part's tiles: its first tile column and width; programs of the
-  # other parts see a clamped (unread) block of it.
-  firsts = [sum(x.shape[1] for x in parts[:p]) // bc
+  firsts = [sum(x.shape[1] for x in parts[:p]) // bc  # first tile columns
             for p in range(len(parts))]
-  in_specs = [pl.BlockSpec((br, bc), lambda q, first=first, last=(
-      pl.cdiv(x.shape[1], bc) - 1): (q // ncb, jnp.clip(q % ncb - first, 0,
-                                                         last)))
+  in_specs = [_part_spec((br, bc), ncb, first, pl.cdiv(x.shape[1], bc))
               for x, first in zip(parts, firsts)]
-  if len(parts) == 1:
-    in_specs = [_spec((br, bc), ncb)]
   outs = pl.pallas_call(
       functools.partial(_tiles_kernel,
                         parts=tuple((f, x.shape[1])
