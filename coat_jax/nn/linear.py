@@ -33,7 +33,8 @@ g^T in 128x128 blocks (B: the block-scaled kernel runs per-row B scales at
 serves W and W^T). Tokens are padded to a multiple of 128 there. A fused
 projection (Q/K/V) keeps each part's own tiles and blocks, so it is one
 GEMM each way with the numbers of the parts apart (but dgrad's sum, now in
-float32 inside the GEMM), and the dgrad parts of unfused kernels (gate/up)
+float32 inside the GEMM; its gradient quantized from the parts in one pass,
+`quantize_blockwise_parts`), and the dgrad parts of unfused kernels (gate/up)
 are summed in the GEMMs' epilogues; a skip connection (`residual`) is added
 in the forward GEMM's epilogue too: no XLA add runs beside the Mosaic
 kernels (1b step on an H200: 188.1 -> 183.5 ms, RESULTS.md "e2e-1b").

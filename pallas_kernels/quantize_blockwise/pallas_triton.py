@@ -6,7 +6,10 @@ its FP8 values with their 1x128 scales along K and, with `transpose`, the
 tile's transpose into x^T (K, M) with 1x128 scales along M (or 128x128
 block scales): the two layouts of the operand in one pass. x^T's scales are
 taken down x's columns, in x's own layout, so only the 1-byte codes go
-through the transpose, not the float32 tile. Blocks (`_blocks_kernel`): one
+through the transpose, not the float32 tile. `quantize_blockwise_parts`
+runs the same kernel over several 2-D parts side by side (a fused
+projection's gradient), each program reading its tile from its own part,
+so the joined tensor is never written. Blocks (`_blocks_kernel`): one
 program per 128x128 block. Out-of-range lanes load as zeros (the
 reference's zero padding) and are masked on store. The tile math is the
 reference's `encode_tiles`, with the kernel's `Ops`.
