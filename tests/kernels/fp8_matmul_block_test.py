@@ -86,6 +86,23 @@ def block_kernel(a, b, sa, sb, granularity, config=None,
       config=config)
 
 
+def abstract_operands(m, n, k, granularity, transposed=False):
+  """Shapes of (a, b, a_scale, b_scale) for lowering an (M, K) x (N, K)
+  product without arrays; scales K-block first if transposed."""
+  sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(
+      m, n, k, granularity, a_scale_transposed=transposed,
+      b_scale_transposed=transposed)
+  return (jax.ShapeDtypeStruct((m, k), E4M3),
+          jax.ShapeDtypeStruct((n, k), E4M3),
+          jax.ShapeDtypeStruct(sa_shape, jnp.float32),
+          jax.ShapeDtypeStruct(sb_shape, jnp.float32))
+
+
+def lower_for_cuda(f, *shapes):
+  """f jitted and lowered for CUDA on this host (no GPU needed)."""
+  return jax.jit(f).trace(*shapes).lower(lowering_platforms=('cuda',))
+
+
 def rel_err(out, ref):
   out = np.asarray(out, np.float64)
   return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
@@ -159,19 +176,11 @@ def test_validation_of_transposed_block_scales():
 def test_granularity_read_from_the_b_scale_shape(granularity, transposed):
   """b_granularity=None (how api.py calls the kernel) reads it from
   b_scale's shape: the same kernel as the explicit granularity."""
-  m, n, k = 384, 256, 512
-  sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(
-      m, n, k, granularity, a_scale_transposed=transposed,
-      b_scale_transposed=transposed)
-  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
-            jax.ShapeDtypeStruct((n, k), E4M3),
-            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
-            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
-  texts = [jax.jit(lambda a, b, sa, sb, g=g: (
+  shapes = abstract_operands(384, 256, 512, granularity, transposed)
+  texts = [lower_for_cuda(lambda a, b, sa, sb, g=g: (
       mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
           a, b, sa, sb, b_granularity=g, a_scale_transposed=transposed,
-          b_scale_transposed=transposed))).trace(*shapes).lower(
-              lowering_platforms=('cuda',)).as_text()
+          b_scale_transposed=transposed)), *shapes).as_text()
            for g in (None, granularity)]
   assert texts[0] == texts[1]
 
@@ -400,14 +409,9 @@ def test_lowers_for_cuda(config, granularity, mnk, out_dtype):
   """Pallas lowers each variant to Mosaic GPU here, without a GPU (E4M3 x
   E4M3: jax 0.10's wgmma rejects mixed FP8)."""
   m, n, k = mnk
-  sa_shape, sb_shape = scale_shapes(m, n, k, granularity)
-  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
-            jax.ShapeDtypeStruct((n, k), E4M3),
-            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
-            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
-  f = jax.jit(lambda a, b, sa, sb: block_kernel(
-      a, b, sa, sb, granularity, config, out_dtype))
-  lowered = f.trace(*shapes).lower(lowering_platforms=('cuda',))
+  lowered = lower_for_cuda(lambda a, b, sa, sb: block_kernel(
+      a, b, sa, sb, granularity, config, out_dtype),
+                           *abstract_operands(m, n, k, granularity))
   assert 'mosaic_gpu' in lowered.as_text()
   assert lowered.out_info.shape == (m, n)
   assert lowered.out_info.dtype == out_dtype
@@ -418,17 +422,11 @@ def test_lowers_for_cuda(config, granularity, mnk, out_dtype):
 def test_c_operand_lowers_for_cuda(config, out_dtype):
   """With c (added in the epilogue, copied by TMA through its buffer)."""
   m, n, k = 656, 400, 640
-  sa_shape, sb_shape = scale_shapes(m, n, k, 'block')
-  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
-            jax.ShapeDtypeStruct((n, k), E4M3),
-            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
-            jax.ShapeDtypeStruct(sb_shape, jnp.float32),
-            jax.ShapeDtypeStruct((m, n), out_dtype))
-  f = jax.jit(lambda a, b, sa, sb, c: mosaic_gpu_block.
-              fp8_matmul_block_scaled_mosaic(a, b, sa, sb, c=c,
-                                             out_dtype=out_dtype,
-                                             config=config))
-  lowered = f.trace(*shapes).lower(lowering_platforms=('cuda',))
+  lowered = lower_for_cuda(
+      lambda a, b, sa, sb, c: mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+          a, b, sa, sb, c=c, out_dtype=out_dtype, config=config),
+      *abstract_operands(m, n, k, 'block'),
+      jax.ShapeDtypeStruct((m, n), out_dtype))
   assert 'mosaic_gpu' in lowered.as_text()
   assert lowered.out_info.shape == (m, n)
 
@@ -487,17 +485,11 @@ def test_transposed_scales_lower_for_cuda(config, granularity):
   """K-block-first scales, with a partial M tile and, for DEFAULT_CONFIG,
   an odd number of K blocks; the 'row' candidates."""
   m, n, k = 640, 400, 384
-  sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(
-      m, n, k, granularity, a_scale_transposed=True, b_scale_transposed=True)
-  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
-            jax.ShapeDtypeStruct((n, k), E4M3),
-            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
-            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
-  f = jax.jit(lambda a, b, sa, sb: (
+  lowered = lower_for_cuda(lambda a, b, sa, sb: (
       mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
           a, b, sa, sb, b_granularity=granularity, config=config,
-          a_scale_transposed=True, b_scale_transposed=True)))
-  lowered = f.trace(*shapes).lower(lowering_platforms=('cuda',))
+          a_scale_transposed=True, b_scale_transposed=True)),
+                           *abstract_operands(m, n, k, granularity, True))
   assert 'mosaic_gpu' in lowered.as_text()
   assert lowered.out_info.shape == (m, n)
 
@@ -506,17 +498,10 @@ def test_transposed_scales_lower_for_cuda(config, granularity):
 @pytest.mark.parametrize('out_dtype', [jnp.bfloat16, jnp.float32])
 def test_row_scales_lower_in_narrower_chunks(config, out_dtype):
   """ROW_CHUNK_COLS: 32-column chunks of the FP32 sum and its stores."""
-  m, n, k = 640, 400, 512
-  sa_shape, sb_shape = scale_shapes(m, n, k, 'row')
-  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
-            jax.ShapeDtypeStruct((n, k), E4M3),
-            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
-            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
-
   def f(a, b, sa, sb):
     with mosaic_gpu_block.row_chunk_cols(32):
       return block_kernel(a, b, sa, sb, 'row', config, out_dtype)
-  lowered = jax.jit(f).trace(*shapes).lower(lowering_platforms=('cuda',))
+  lowered = lower_for_cuda(f, *abstract_operands(640, 400, 512, 'row'))
   assert 'mosaic_gpu' in lowered.as_text()
   assert mosaic_gpu_block.ROW_CHUNK_COLS[0] is None
 
@@ -525,21 +510,13 @@ def test_row_scales_lower_in_narrower_chunks(config, out_dtype):
 @pytest.mark.parametrize('transposed', [True, False])
 def test_a_scales_from_gmem_lower_for_cuda(config, granularity, transposed):
   """A_SCALES_FROM_GMEM: a scales loaded by each warpgroup from GMEM."""
-  m, n, k = 640, 400, 384
-  sa_shape, sb_shape = mosaic_gpu_block.scale_shapes(
-      m, n, k, granularity, a_scale_transposed=transposed,
-      b_scale_transposed=transposed)
-  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
-            jax.ShapeDtypeStruct((n, k), E4M3),
-            jax.ShapeDtypeStruct(sa_shape, jnp.float32),
-            jax.ShapeDtypeStruct(sb_shape, jnp.float32))
-
   def f(a, b, sa, sb):
     with mosaic_gpu_block.a_scales_from_gmem():
       return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
           a, b, sa, sb, b_granularity=granularity, config=config,
           a_scale_transposed=transposed, b_scale_transposed=transposed)
-  lowered = jax.jit(f).trace(*shapes).lower(lowering_platforms=('cuda',))
+  lowered = lower_for_cuda(
+      f, *abstract_operands(640, 400, 384, granularity, transposed))
   assert 'mosaic_gpu' in lowered.as_text()
   assert not mosaic_gpu_block.A_SCALES_FROM_GMEM[0]
 
@@ -556,14 +533,9 @@ def test_row_scales_lower_with_a_wider_tile():
   row per K block)."""
   config = mosaic_gpu.Config(block_n=160, block_k=128, split_k=1,
                              max_stages=5, pad_mn=False)
-  m, n, k = 256, 400, 384
-  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
-            jax.ShapeDtypeStruct((n, k), E4M3),
-            jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
-            jax.ShapeDtypeStruct((n, k // 128), jnp.float32))
-  f = jax.jit(lambda a, b, sa, sb: block_kernel(a, b, sa, sb, 'row', config))
-  assert 'mosaic_gpu' in f.trace(*shapes).lower(
-      lowering_platforms=('cuda',)).as_text()
+  assert 'mosaic_gpu' in lower_for_cuda(
+      lambda a, b, sa, sb: block_kernel(a, b, sa, sb, 'row', config),
+      *abstract_operands(256, 400, 384, 'row')).as_text()
 
 
 # ---------------------------------------------------------------- GPU tests
@@ -635,14 +607,9 @@ def block_scales_as_rows():
 
 def test_block_scales_as_rows_lower_for_cuda(block_scales_as_rows):
   del block_scales_as_rows
-  m, n, k = 384, 400, 512
-  shapes = (jax.ShapeDtypeStruct((m, k), E4M3),
-            jax.ShapeDtypeStruct((n, k), E4M3),
-            jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
-            jax.ShapeDtypeStruct((4, k // 128), jnp.float32))
-  f = jax.jit(lambda a, b, sa, sb: block_kernel(a, b, sa, sb, 'block'))
-  assert 'mosaic_gpu' in f.trace(*shapes).lower(
-      lowering_platforms=('cuda',)).as_text()
+  assert 'mosaic_gpu' in lower_for_cuda(
+      lambda a, b, sa, sb: block_kernel(a, b, sa, sb, 'block'),
+      *abstract_operands(384, 400, 512, 'block')).as_text()
 
 
 @pytest.mark.gpu
