@@ -32,6 +32,12 @@ TILE = reference.TILE
 # Warps of the 128x128 weight-block kernel (one block per program; measured
 # in benchmarks/kernels.py --blockwise), which takes no BlockSizes.
 BLOCKS_NUM_WARPS = 8
+# Column-tile skew between bands (`_tile_of`) with the transpose in 128x128
+# blocks (g, g^T). At power-of-two widths the plain order ran at 75% of a
+# copy on an H200 (2048 and 4096 wide), skewed by 3 at 84% and 88%; other
+# widths unchanged (RESULTS.md "quantize-blockwise"). x, x^T gains nothing
+# from any order (65% at those widths, and slower at the others).
+T_BLOCKS_SKEW = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,20 +65,32 @@ class BlockSizes:
             f'BlockSizes.{name}={v} must be a power of two >= {TILE}.')
 
 
-def _spec(block, ncb, transposed=False):
+def _tile_of(p, ncb, skew=0):
+  """Program p's tile: (band i, column tile j) of a grid `ncb` tiles wide.
+  The bands run in order; with a skew, band i's programs start at column
+  tile skew * i (mod ncb)."""
+  i = p // ncb
+  if not skew:
+    return i, p % ncb
+  return i, (p % ncb + skew * i) % ncb
+
+
+def _spec(block, ncb, transposed=False, skew=0):
   if transposed:
-    return pl.BlockSpec(block, lambda p: (p % ncb, p // ncb))
-  return pl.BlockSpec(block, lambda p: (p // ncb, p % ncb))
+    return pl.BlockSpec(block, lambda p: _tile_of(p, ncb, skew)[::-1])
+  return pl.BlockSpec(block, lambda p: _tile_of(p, ncb, skew))
 
 
-def _part_spec(block, ncb, first, tiles):
+def _part_spec(block, ncb, first, tiles, skew=0):
   """The input spec of a part whose `tiles` tile columns start at tile
   column `first` of the whole: programs of other parts get a clamped block
   of it, which they do not read."""
   if first == 0 and tiles == ncb:
-    return _spec(block, ncb)
-  return pl.BlockSpec(block, lambda p: (
-      p // ncb, jnp.clip(p % ncb - first, 0, tiles - 1)))
+    return _spec(block, ncb, skew=skew)
+  def index(p):
+    i, j = _tile_of(p, ncb, skew)
+    return i, jnp.clip(j - first, 0, tiles - 1)
+  return pl.BlockSpec(block, index)
 
 
 def _quantize_tile(x, dtype, pow2, ops):
@@ -137,14 +155,13 @@ def _widen(x):
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _tiles_kernel(*refs, parts, rows, cols, ncb, dtype, pow2, transpose,
-                  t_blocks, ops):
+def _tiles_kernel(*refs, parts, rows, cols, ncb, skew, dtype, pow2,
+                  transpose, t_blocks, ops):
   """refs: one input ref per part of x's columns (`parts`: each one's
   (first column tile, width)), then the outputs. A tile lies in one part."""
   in_refs, out_refs = refs[:len(parts)], refs[len(parts):]
   br, bc = in_refs[0].shape
-  pid = pl.program_id(0)
-  i, j = pid // ncb, pid % ncb
+  i, j = _tile_of(pl.program_id(0), ncb, skew)
   exact = rows % br == 0 and cols % bc == 0
   if len(parts) == 1:
     _encode_tile(in_refs[0], out_refs, i, j, j, rows, cols, exact, dtype,
@@ -290,28 +307,31 @@ def _tiles_call(parts, dt, pow2, transpose, transpose_block, block_sizes,
   br, bc = ((TILE, block_sizes.block_cols) if t_blocks
             else (block_sizes.block_rows, block_sizes.block_cols))
   ncb = pl.cdiv(cols, bc)
+  skew = T_BLOCKS_SKEW if t_blocks else 0
+  spec = functools.partial(_spec, ncb=ncb, skew=skew)
   out_shape = [jax.ShapeDtypeStruct((rows, cols), dt),
                jax.ShapeDtypeStruct((rows, kb), jnp.float32)]
-  out_specs = [_spec((br, bc), ncb), _spec((br, bc // TILE), ncb)]
+  out_specs = [spec((br, bc)), spec((br, bc // TILE))]
   if t_blocks:
     out_shape += [jax.ShapeDtypeStruct((cols, rows), dt),
                   jax.ShapeDtypeStruct((kb, mb), jnp.float32)]
-    out_specs += [_spec((bc, br), ncb, True),
-                  _spec((bc // TILE, 1), ncb, True)]
+    out_specs += [spec((bc, br), transposed=True),
+                  spec((bc // TILE, 1), transposed=True)]
   elif transpose:
     out_shape += [jax.ShapeDtypeStruct((cols, rows), dt),
                   jax.ShapeDtypeStruct((cols, mb), jnp.float32)]
-    out_specs += [_spec((bc, br), ncb, True),
-                  _spec((bc, br // TILE), ncb, True)]
+    out_specs += [spec((bc, br), transposed=True),
+                  spec((bc, br // TILE), transposed=True)]
   firsts = [sum(x.shape[1] for x in parts[:p]) // bc  # first tile columns
             for p in range(len(parts))]
-  in_specs = [_part_spec((br, bc), ncb, first, pl.cdiv(x.shape[1], bc))
+  in_specs = [_part_spec((br, bc), ncb, first, pl.cdiv(x.shape[1], bc), skew)
               for x, first in zip(parts, firsts)]
   outs = pl.pallas_call(
       functools.partial(_tiles_kernel,
                         parts=tuple((f, x.shape[1])
                                     for f, x in zip(firsts, parts)),
-                        rows=rows, cols=cols, ncb=ncb, dtype=dt, pow2=pow2,
+                        rows=rows, cols=cols, ncb=ncb, skew=skew, dtype=dt,
+                        pow2=pow2,
                         transpose=transpose, t_blocks=t_blocks,
                         ops=_common.kernel_ops(interpret)),
       grid=(pl.cdiv(rows, br) * ncb,),

@@ -258,6 +258,18 @@ def test_kernel_transposed_blocks_match_reference(shape, sizes, fmt, pow2):
   assert_same(got, want)
 
 
+def test_skewed_tile_order_visits_every_tile_once():
+  # The 128x128-block path's programs visit the bands in order, each band's
+  # column tiles rotated (`T_BLOCKS_SKEW`): still each tile exactly once.
+  for ncb in range(1, 25):
+    for skew in (0, 1, pallas_triton.T_BLOCKS_SKEW):
+      tiles = [tuple(int(v) for v in pallas_triton._tile_of(jnp.int32(p), ncb,
+                                                             skew))
+               for p in range(5 * ncb)]
+      assert sorted(tiles) == [(i, j) for i in range(5) for j in range(ncb)]
+      assert [i for i, _ in tiles] == sorted(i for i, _ in tiles)
+
+
 @pytest.mark.parametrize('in_dtype', [jnp.bfloat16, jnp.float16,
                                       jnp.float32])
 @pytest.mark.parametrize('transpose_block', [(1, 128), (128, 128)])
