@@ -369,8 +369,8 @@ def bench_fused(results, quick):
   if not quick:
     norm_bwd_configs += [
         norm_pallas.BlockSizes(block_rows=r, steps=s, num_warps=w)
-        for r, s, w in ((2, 8, 8), (1, 8, 4), (1, 8, 16), (4, 2, 4),
-                        (1, 4, 8))]
+        for r, s, w in ((2, 8, 8), (1, 8, 8), (1, 16, 8), (1, 64, 8),
+                        (1, 32, 4), (4, 2, 4))]
   key = jax.random.split(jax.random.key(8), 4)
   for hidden, inter in FUSED_SHAPES:
     for width in (hidden, inter):
@@ -413,7 +413,7 @@ def bench_fused(results, quick):
           interpret=_INTERPRET))
       results.append(dict(name=bwd, impl='pallas',
                           config=str(bs or norm_pallas.bwd_block_sizes(
-                              hidden)),
+                              m, hidden)),
                           bytes=bwd_bytes, copy=copy_h,
                           s=time_call(f, bwd_args, **timing)))
     del x, g, r, codes, scales, rstd

@@ -144,16 +144,23 @@ def rms_norm_fp8_fwd(
           jnp.max(amax))  # NaN-propagating in XLA
 
 
-def bwd_block_sizes(cols: int) -> BlockSizes:
-  """The backward's default: 2048-element blocks (one row from H = 2048),
-  8 per program, a warp per 256 elements. H200, 16384 rows with
-  residual_grad: H = 2048 92 us (the forward's 4096-element blocks: 124;
-  XLA's three passes: 131), H = 4096 190 us (204; XLA 211); RESULTS.md
+# About this many backward programs (~4 per SM of an H100/H200).
+_BWD_PROGRAMS = 512
+
+
+def bwd_block_sizes(rows: int, cols: int) -> BlockSizes:
+  """The backward's default for a (rows, cols) view: 2048-element blocks
+  (one row from H = 2048), a warp per 256 elements, and 8 to 32 blocks per
+  program, as many as leave ~512 programs (each program's float32 dscale
+  row is summed in XLA: fewer programs, fewer rows). H200, 16384 rows with
+  residual_grad, kernel + sum: H = 2048 74.9 us at 32 blocks, 86.8 at 8,
+  106.2 at 64 (256 programs); H = 4096 148.7 against 162.3 at 8; RESULTS.md
   "kernels-fused"."""
   hp = _common.next_pow2(cols)
-  rows = max(1, 2048 // hp)
-  return BlockSizes(block_rows=rows, steps=8,
-                    num_warps=min(16, max(4, rows * hp // 256)))
+  block_rows = max(1, 2048 // hp)
+  steps = min(32, max(8, rows // (block_rows * _BWD_PROGRAMS)))
+  return BlockSizes(block_rows=block_rows, steps=steps,
+                    num_warps=min(16, max(4, block_rows * hp // 256)))
 
 
 def _bwd_kernel(c_ref, xs_ref, r_ref, s_ref, g_ref, *refs, rows, cols,
@@ -204,7 +211,7 @@ def rms_norm_fp8_bwd(
   block_sizes None: `bwd_block_sizes`."""
   shape = g.shape
   rows, cols = _common.as_2d(shape)
-  block_sizes = block_sizes or bwd_block_sizes(cols)
+  block_sizes = block_sizes or bwd_block_sizes(rows, cols)
   br, hp, steps, warps = block_sizes.resolve(rows, cols)
   ng = pl.cdiv(cols, group_size)
   nprog = pl.cdiv(rows, br * steps)

@@ -207,6 +207,19 @@ def test_several_programs_and_steps_with_a_partial_last_block():
                   residual_grad=_data((37, 48), seed=25))
 
 
+def test_backward_default_leaves_about_512_programs():
+  """8 to 32 blocks of 2048 elements per program (RESULTS.md
+  "kernels-fused": fewer dscale rows to sum, enough programs to fill the
+  GPU)."""
+  sizes = pallas_triton.bwd_block_sizes
+  assert sizes(16384, 2048) == pallas_triton.BlockSizes(1, 32, 8)
+  assert sizes(32768, 4096) == pallas_triton.BlockSizes(1, 32, 16)
+  assert sizes(8192, 2048) == pallas_triton.BlockSizes(1, 16, 8)
+  assert sizes(2048, 2048) == pallas_triton.BlockSizes(1, 8, 8)
+  assert sizes(16384, 512) == pallas_triton.BlockSizes(4, 8, 8)
+  assert sizes(16384, 48) == pallas_triton.BlockSizes(32, 8, 8)
+
+
 def test_a_nan_residual_gradient_reaches_dx():
   x = _data((8, 48), seed=26)
   scale = jnp.ones((48,), jnp.float32)
@@ -307,6 +320,7 @@ def test_dispatch_jit_and_bad_input():
 GPU_CASES = [  # shape, dtype
     ((37, 2064), jnp.bfloat16),
     ((4096, 2048), jnp.bfloat16),  # 1b hidden
+    ((16384, 2048), jnp.bfloat16),  # 1b, batch 8: 32 blocks per program
     ((2048, 4096), jnp.bfloat16),  # 7B hidden
     ((1000, 5632), jnp.float32),
 ]
