@@ -11,7 +11,10 @@ runs the same kernel over several 2-D parts side by side (a fused
 projection's gradient), each program reading its tile from its own part,
 so the joined tensor is never written. Blocks (`_blocks_kernel`): one
 program per 128x128 block. Out-of-range lanes load as zeros (the
-reference's zero padding) and are masked on store. The tile math is the
+reference's zero padding) and are masked on store. The programs take the
+tiles band by band; with x^T in 128x128 blocks each band's column tiles
+start further on than the band before's (`_tile_of`, `T_BLOCKS_SKEW`):
+measured, power-of-two widths run faster so. The tile math is the
 reference's `encode_tiles`, with the kernel's `Ops`.
 """
 
