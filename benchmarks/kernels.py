@@ -271,7 +271,9 @@ def bench_blockwise(results, quick):
   1x128 tiles with the transposed copy in one pass (the linear layers'
   input and output-gradient quantizer): reads 2 B, writes 2 x (1 B +
   4 B / 128) per element; without the copy 1 B + 4 B / 128. 128x128 blocks
-  for a float32 weight (hidden, intermediate).
+  for a float32 weight (hidden, intermediate). GPU kernel time
+  (`device_time_call`): at these sizes (40-250 us) wall clock adds the
+  host's dispatch, more to the copy than to the quantizers.
   """
   configs = [blockwise_pallas.BlockSizes()]
   if not quick:
@@ -279,7 +281,6 @@ def bench_blockwise(results, quick):
                 blockwise_pallas.BlockSizes(128, 256, 16),
                 blockwise_pallas.BlockSizes(256, 256, 16),
                 blockwise_pallas.BlockSizes(128, 512, 16)]
-  timing = dict(warm_s=2.0, iters=50, repeats=9)
   for shape in BLOCKWISE_SHAPES:
     x = (jax.random.normal(jax.random.key(5), shape, jnp.float32)
          * 3).astype(jnp.bfloat16)
@@ -287,7 +288,7 @@ def bench_blockwise(results, quick):
     copy_name = f'copy x*2 bf16 {shape}'
     results.append(dict(
         name=copy_name, impl='xla', bytes=4 * n, copy=copy_name,
-        s=time_call(jax.jit(lambda x: x * 2), (x,), **timing)))
+        s=device_time_call(jax.jit(lambda x: x * 2), (x,), warm_s=2.0)))
     # (transpose, pow2, transpose_block): the last is the layers' g^T in
     # 128x128 blocks (wgrad's B operand), one program per block.
     for transpose, pow2, tb in ((True, False, (1, 128)),
@@ -303,7 +304,7 @@ def bench_blockwise(results, quick):
                         x, (1, 128), 'e4m3', transpose=tr, pow2=p2,
                         transpose_block=tb))
       results.append(dict(name=label, impl='xla', bytes=nbytes,
-                          copy=copy_name, s=time_call(ref, (x,), **timing)))
+                          copy=copy_name, s=device_time_call(ref, (x,))))
       sweep = transpose and not pow2
       for bs in configs if sweep else configs[:1]:
         f = jax.jit(lambda x, tr=transpose, p2=pow2, bs=bs, tb=tb:
@@ -313,7 +314,7 @@ def bench_blockwise(results, quick):
                         interpret=_INTERPRET))
         results.append(dict(name=label, impl='pallas', config=str(bs),
                             bytes=nbytes, copy=copy_name,
-                            s=time_call(f, (x,), **timing)))
+                            s=device_time_call(f, (x,))))
   # As the unrolled layers run it: one layer's slice of stacked float32
   # weights -> W's codes, W^T's (the forward GEMM's B) and the scales; GPU
   # kernel time (wall clock measured the host's dispatch here: XLA's three
