@@ -207,8 +207,7 @@ def _encode_tile(x_ref, out_refs, i, j, part_j, rows, cols, exact, dtype,
 
 
 def _blocks_kernel(x_ref, v_ref, s_ref, *, rows, cols, ncb, dtype, pow2, ops):
-  pid = pl.program_id(0)
-  i, j = pid // ncb, pid % ncb
+  i, j = _tile_of(pl.program_id(0), ncb)
   exact = rows % TILE == 0 and cols % TILE == 0
   mask = None if exact else _common.tile_mask(
       i, j, (TILE, TILE), (rows, cols))
