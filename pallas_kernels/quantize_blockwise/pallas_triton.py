@@ -187,8 +187,11 @@ def _encode_tile(x_ref, out_refs, i, j, part_j, rows, cols, exact, dtype,
   load_mask = mask if part_cols is None or exact else _common.tile_mask(
       i, part_j, (br, bc), (rows, part_cols))
   x = _common.masked_load(x_ref, load_mask, 0.0, dtype=None)  # see _widen
-  store_tiles(x.astype(jnp.float32), out_refs[:2], i, j, rows, cols, mask,
-              dtype, pow2, ops)
+  values, scales = _quantize_tile(x.astype(jnp.float32), dtype, pow2, ops)
+  smask = None if exact else _common.tile_mask(
+      i, j, (br, bc // TILE), (rows, pl.cdiv(cols, TILE)))
+  pltriton.store(out_refs[0], values, mask=mask)
+  pltriton.store(out_refs[1], scales, mask=smask)
   if transpose and t_blocks:  # a band of 128x128 blocks of x^T
     values_t, scales_t = _blocks_of_band(_widen(x), dtype, pow2, ops)
     bmask = None if exact else _common.tile_mask(
@@ -196,36 +199,11 @@ def _encode_tile(x_ref, out_refs, i, j, part_j, rows, cols, exact, dtype,
     pltriton.store(out_refs[2], values_t.T, mask=None if exact else mask.T)
     pltriton.store(out_refs[3], scales_t[:, None], mask=bmask)
   elif transpose:
-    store_transposed_tiles(x, out_refs[2:], i, j, rows, cols, mask, dtype,
-                           pow2, ops)
-
-
-def store_transposed_tiles(x, out_refs, i, j, rows, cols, mask, dtype, pow2,
-                           ops):
-  """Stores tile (i, j) of x (rows, cols), a (br, bc) tile in its own dtype
-  (lanes outside `mask`, None where the tiles cover x exactly, hold 0), as
-  its part of x^T (cols, rows) in 1x128 tiles along rows: out_refs =
-  (values_t ref (bc, br), scales_t ref (bc, br // 128)). Producers that
-  write an operand straight into its wgrad layout call this too."""
-  br, bc = x.shape
-  values_t, scales_t = _quantize_cols(_widen(x), dtype, pow2, ops)
-  tmask = None if mask is None else _common.tile_mask(
-      j, i, (bc, br // TILE), (cols, pl.cdiv(rows, TILE)))
-  pltriton.store(out_refs[0], values_t.T, mask=None if mask is None
-                 else mask.T)
-  pltriton.store(out_refs[1], scales_t.T, mask=tmask)
-
-
-def store_tiles(x, out_refs, i, j, rows, cols, mask, dtype, pow2, ops):
-  """Stores tile (i, j) of x (rows, cols), float32 (br, bc) (lanes outside
-  `mask` hold 0), in 1x128 tiles along cols: out_refs = (values ref (br,
-  bc), scales ref (br, bc // 128))."""
-  br, bc = x.shape
-  values, scales = _quantize_tile(x, dtype, pow2, ops)
-  smask = None if mask is None else _common.tile_mask(
-      i, j, (br, bc // TILE), (rows, pl.cdiv(cols, TILE)))
-  pltriton.store(out_refs[0], values, mask=mask)
-  pltriton.store(out_refs[1], scales, mask=smask)
+    values_t, scales_t = _quantize_cols(_widen(x), dtype, pow2, ops)
+    tmask = None if exact else _common.tile_mask(
+        j, i, (bc, br // TILE), (cols, pl.cdiv(rows, TILE)))
+    pltriton.store(out_refs[2], values_t.T, mask=None if exact else mask.T)
+    pltriton.store(out_refs[3], scales_t.T, mask=tmask)
 
 
 def _blocks_kernel(x_ref, v_ref, s_ref, *, rows, cols, ncb, dtype, pow2, ops):

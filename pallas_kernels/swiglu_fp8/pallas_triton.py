@@ -18,8 +18,6 @@ import jax.numpy as jnp
 from pallas_kernels import _common
 from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
-from pallas_kernels.quantize_blockwise import pallas_triton as block_triton
-from pallas_kernels.quantize_blockwise import reference as block_reference
 from pallas_kernels.quantize_per_group.pallas_triton import from_kernel_scales
 from pallas_kernels.quantize_per_group.pallas_triton import kernel_scale_dtype
 from pallas_kernels.quantize_per_group.pallas_triton import load_groups
@@ -167,85 +165,3 @@ def swiglu_fp8_bwd(
     dh.reshape(rows, cols))
   return (dgate.reshape(shape), dup.reshape(shape), jnp.max(amax_g),
           jnp.max(amax_u))
-
-
-@dataclasses.dataclass(frozen=True)
-class TileSizes:
-  """Tiles of `swiglu_fp8_fwd_tiles`: 128 rows (one 1x128 tile of h^T per
-  column) by block_cols (a power of two >= 128), num_warps per program."""
-
-  block_cols: int = 128
-  num_warps: int = 8
-
-  def __post_init__(self):
-    bc = self.block_cols
-    if bc < block_reference.TILE or bc & (bc - 1):
-      raise ValueError(f'TileSizes.block_cols={bc} must be a power of two'
-                       f' >= {block_reference.TILE}.')
-
-
-def _fwd_tiles_kernel(g_ref, u_ref, gc_ref, gs_ref, uc_ref, us_ref, *h_refs,
-                      rows, cols, ncb, group_size, scale_dtype, dtype, ops):
-  br, bc = g_ref.shape
-  p = pl.program_id(0)
-  i, j = p // ncb, p % ncb
-  exact = rows % br == 0 and cols % bc == 0
-  mask = None if exact else _common.tile_mask(i, j, (br, bc), (rows, cols))
-  gmask = None if exact else _common.tile_mask(
-      i, j, (br, bc // group_size), (rows, pl.cdiv(cols, group_size)))
-  g = _common.masked_load(g_ref, mask, 0.0)
-  u = _common.masked_load(u_ref, mask, 0.0)
-  h = (g * jax.nn.sigmoid(g) * u).astype(g_ref.dtype)  # as the h written
-  for x, refs in ((g, (gc_ref, gs_ref)), (u, (uc_ref, us_ref))):
-    store_groups(x, refs, mask, gmask, group_size, reference.FP8, False,
-                 scale_dtype, ops)
-  block_triton.store_tiles(h.astype(jnp.float32), h_refs[:2], i, j, rows,
-                           cols, mask, dtype, False, ops)
-  block_triton.store_transposed_tiles(h, h_refs[2:], i, j, rows, cols, mask,
-                                      dtype, False, ops)
-
-
-@functools.partial(
-    jax.jit, static_argnames=('group_size', 'scale_dtype', 'dtype',
-                              'tile_sizes', 'interpret'))
-def swiglu_fp8_fwd_tiles(
-    gate: jax.Array, up: jax.Array, *,
-    group_size: int = reference.GROUP_SIZE, scale_dtype: Any = jnp.bfloat16,
-    dtype: Any = 'e4m3', tile_sizes: TileSizes = TileSizes(),
-    interpret: bool = False
-) -> tuple[reference.Groups, reference.Groups, reference.Tiles]:
-  """Pallas version of `reference.swiglu_fp8_fwd_tiles` (same contract):
-  one read of gate and up; h is never written in bfloat16."""
-  rows, cols = gate.shape
-  br, bc = block_reference.TILE, tile_sizes.block_cols
-  ncb = pl.cdiv(cols, bc)
-  grid = (pl.cdiv(rows, br) * ncb,)
-  tile = pl.BlockSpec((br, bc), lambda p: (p // ncb, p % ncb))
-  gtile = pl.BlockSpec((br, bc // group_size), lambda p: (p // ncb, p % ncb))
-  ttile = lambda b: pl.BlockSpec(b, lambda p: (p % ncb, p // ncb))
-  ng = pl.cdiv(cols, group_size)
-  kb, mb = pl.cdiv(cols, block_reference.TILE), pl.cdiv(rows, br)
-  ksd = kernel_scale_dtype(scale_dtype)
-  dt = _common.fp8_dtype(dtype)
-  codes = jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn)
-  gscales = jax.ShapeDtypeStruct((rows, ng), ksd)
-  kernel = functools.partial(
-      _fwd_tiles_kernel, rows=rows, cols=cols, ncb=ncb, group_size=group_size,
-      scale_dtype=ksd, dtype=dt, ops=_common.kernel_ops(interpret))
-  gc, gs, uc, us, hv, hs, hvt, hst = pl.pallas_call(
-      kernel, grid=grid, in_specs=[tile, tile],
-      out_specs=[tile, gtile, tile, gtile,
-                 tile, pl.BlockSpec((br, bc // block_reference.TILE),
-                                    lambda p: (p // ncb, p % ncb)),
-                 ttile((bc, br)), ttile((bc, 1))],
-      out_shape=[codes, gscales, codes, gscales,
-                 jax.ShapeDtypeStruct((rows, cols), dt),
-                 jax.ShapeDtypeStruct((rows, kb), jnp.float32),
-                 jax.ShapeDtypeStruct((cols, rows), dt),
-                 jax.ShapeDtypeStruct((cols, mb), jnp.float32)],
-      interpret=interpret,
-      compiler_params=_common.compiler_params(tile_sizes.num_warps, 1),
-      name='swiglu_fp8_fwd_tiles',
-  )(gate, up)
-  return ((gc, from_kernel_scales(gs, scale_dtype)),
-          (uc, from_kernel_scales(us, scale_dtype)), (hv, hs, hvt, hst))

@@ -16,16 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common
-from pallas_kernels.quantize_blockwise import reference as block_reference
 from pallas_kernels.quantize_per_group import reference as group_reference
 
 GROUP_SIZE = 16
 FP8 = 'e4m3'
 
 Groups = tuple[jax.Array, jax.Array]  # (codes float8_e4m3fn, scales)
-# h in the two layouts of a block-scaled GEMM operand (1x128 tiles):
-# (values (M, I), scales (M, I / 128), values^T (I, M), scales^T (I, M / 128)).
-Tiles = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def swiglu_fp8_fwd(
@@ -48,31 +44,6 @@ def swiglu_fp8_fwd(
   quantize = lambda x: group_reference.quantize_per_group(
       x, group_size, FP8, scale_dtype=scale_dtype)[:2]
   return h, quantize(gate), quantize(up), _common.tensor_abs_max(h)
-
-
-def swiglu_fp8_fwd_tiles(
-    gate: jax.Array, up: jax.Array, *, group_size: int = GROUP_SIZE,
-    scale_dtype: Any = jnp.bfloat16, dtype: Any = 'e4m3'
-) -> tuple[Groups, Groups, Tiles]:
-  """`swiglu_fp8_fwd` for a block-scaled down projection: gate's and up's
-  groups, and h (rounded to gate.dtype, as `swiglu_fp8_fwd` returns it)
-  quantized in 1x128 tiles with its transpose (`quantize_blockwise(h,
-  transpose=True)`), instead of h itself and its amax.
-
-  Args:
-    gate, up: (M, I) floating, same shape and dtype.
-    group_size, scale_dtype: as `swiglu_fp8_fwd`.
-    dtype: 'e4m3' or 'e5m2', h's FP8 format.
-
-  Returns:
-    (gate groups, up groups, (values (M, I), scales (M, ceil(I / 128)),
-    values^T (I, M), scales^T (I, ceil(M / 128)))).
-  """
-  h, gate_groups, up_groups, _ = swiglu_fp8_fwd(
-      gate, up, group_size=group_size, scale_dtype=scale_dtype)
-  tiles = block_reference.quantize_blockwise(
-      h, (1, block_reference.TILE), dtype, transpose=True)
-  return gate_groups, up_groups, tiles
 
 
 def swiglu_fp8_bwd(
