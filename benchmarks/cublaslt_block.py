@@ -14,7 +14,7 @@ first a check of the block results against a float32 reference.
 GPU only, and torch (preinstalled on the lent GPU machines, not a
 dependency of coat-jax):
 
-  python benchmarks/cublaslt_block.py [--rounds 3]
+  PYTHONPATH=. python benchmarks/cublaslt_block.py [--rounds 3]
 """
 
 import argparse
@@ -22,28 +22,13 @@ import functools
 import statistics
 import time
 
-T = 16384  # tokens
-SHAPES_7B = [('8192^3', 8192, 8192, 8192, 'e4m3'),
-             ('qkv fwd', T, 12288, 4096, 'e4m3'),
-             ('qkv dgrad', T, 4096, 12288, 'e5m2'),
-             ('qkv wgrad', 12288, 4096, T, 'e5m2'),
-             ('o fwd', T, 4096, 4096, 'e4m3'),
-             ('o dgrad', T, 4096, 4096, 'e5m2'),
-             ('o wgrad', 4096, 4096, T, 'e5m2'),
-             ('gate/up fwd', T, 22016, 4096, 'e4m3'),
-             ('gate/up dgrad', T, 4096, 22016, 'e5m2'),
-             ('gate/up wgrad', 22016, 4096, T, 'e5m2'),
-             ('down fwd', T, 4096, 11008, 'e4m3'),
-             ('down dgrad', T, 11008, 4096, 'e5m2'),
-             ('down wgrad', 4096, 11008, T, 'e5m2')]
-# The 1b model: (name, out features, in features), each as fwd, dgrad, wgrad.
-LAYERS_1B = [('qkv', 2560, 2048), ('o', 2048, 2048), ('gate/up', 5632, 2048),
-             ('down', 2048, 5632)]
-SHAPES = [(f'7B {name}', *rest) for name, *rest in SHAPES_7B] + [
-    shape for name, out, inp in LAYERS_1B for shape in (
-        (f'1b {name} fwd', T, out, inp, 'e4m3'),
-        (f'1b {name} dgrad', T, inp, out, 'e5m2'),
-        (f'1b {name} wgrad', out, inp, T, 'e5m2'))]
+import numpy as np
+
+from benchmarks import matmul
+
+# matmul.py's: (name, M, N, K, a's dtype), the 7B layers' then the 1b's.
+SHAPES = [(f'7B {name}', *rest) for name, *rest in matmul.SHAPES] + list(
+    matmul.SHAPES_1B)
 
 
 def tile_scales(torch, rows, k):
@@ -126,14 +111,13 @@ def main():
   print(f'torch {torch.__version__}, CUDA {torch.version.cuda},'
         f' {torch.cuda.get_device_name()}')
   check(torch)
-  dtypes = {'e4m3': torch.float8_e4m3fn, 'e5m2': torch.float8_e5m2}
   one = torch.ones((), device='cuda')
   print('| GEMM | M x N x K | per-tensor TFLOP/s | 1x128 x 128x128'
         ' TFLOP/s | / per-tensor | 1x128 x 1x128, / per-tensor |')
   print('|---|---|---|---|---|---|')
   ratios, warm = [], 2.0
   for name, m, n, k, a_dtype in SHAPES:
-    a, b = operands(torch, m, n, k, dtypes[a_dtype])
+    a, b = operands(torch, m, n, k, getattr(torch, np.dtype(a_dtype).name))
     a_scale = tile_scales(torch, m, k)
     b_scales = {'tensor': one, 'block': b_block_scales(torch, n, k),
                 'tiles': b_tile_scales(torch, n, k)}
