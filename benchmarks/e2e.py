@@ -24,7 +24,10 @@ compile time, and with --profile the GPU kernel time per op class
 (benchmarks/step_profile.py's classifier). Each process runs with
 XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction (default 0.97: XLA may use
 almost all of the GPU; jax's own default is 0.75). Tokens are random (speed
-does not depend on them); no corpus is read.
+does not depend on them); no corpus is read. The loss printed is the last
+step's on that one repeated batch, a check that the step trains and stays
+finite, not a comparison: plain steps at a constant learning rate, the
+other modes under train.py's warm-up schedule.
 
 Model FLOPs per step = 6 * N * B * S + 6 * L * B * S^2 * H, with N the
 matmul params (the layers' projections and the LM head, not the embedding
@@ -279,7 +282,8 @@ def describe(r: dict) -> str:
   peak = (f'{r["peak_bytes"] / 2**30:.1f} GiB' if r['peak_bytes']
           else 'peak n/a')
   return (f'{r["tokens_per_s"]:,.0f} tok/s, {r["model_tflops"]:.1f} TFLOP/s,'
-          f' {peak}, compile {r["compile_s"]:.0f} s, loss {r["loss"]:.3f}')
+          f' {peak}, compile {r["compile_s"]:.0f} s, last loss'
+          f' {r["loss"]:.3f}')
 
 
 class OutOfBudget(Exception):

@@ -11,6 +11,7 @@ from coat_jax.nn.linear import CoatLinear
 from coat_jax.nn.linear import bf16_dense
 from coat_jax.nn.linear import dense
 from coat_jax.nn.linear import fanout
+from coat_jax.nn.linear import fill_grad_amax_slot
 from coat_jax.nn.linear import fp8_dense
 from coat_jax.nn.mlp import CoatMLP
 from coat_jax.nn.mlp import fp8_gate_up_swiglu
@@ -29,8 +30,7 @@ from coat_jax.nn.residuals import saved_residuals
 __all__ = [
     'CoatLinear', 'CoatMLP', 'CoatRMSNorm', 'LOGICAL_AXIS_RULES',
     'PRECISIONS', 'activation_residuals', 'bf16_dense', 'dense', 'fanout',
-    'fp8_dense', 'fp8_gate_up_swiglu', 'fp8_matmul', 'fp8_matmul_groups',
-    'fp8_rms_norm',
-    'fp8_rms_norm_with_input',
+    'fill_grad_amax_slot', 'fp8_dense', 'fp8_gate_up_swiglu', 'fp8_matmul',
+    'fp8_matmul_groups', 'fp8_rms_norm', 'fp8_rms_norm_with_input',
     'fp8_swiglu', 'nbytes', 'rms_norm', 'saved_residuals', 'swiglu',
 ]

@@ -59,6 +59,7 @@ from coat_jax.nn.residuals import after_grads
 from coat_jax.nn.residuals import name_fp8_residuals
 from coat_jax.nn.residuals import with_residuals
 from coat_jax.nn.residuals import xla_quantizes
+from pallas_kernels import _common
 from pallas_kernels.quantize_blockwise import api as block_quant
 from pallas_kernels.quantize_per_tensor import api as tensor_quant
 
@@ -68,15 +69,39 @@ default_bias_init = nnx.initializers.zeros_init()
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _fp8_dense_2d(x, kernels, x_amax, kernel_dtypes, implementation,
-                  gather_axes, reuse_input, fused):
+                  gather_axes, reuse_input, fused, grad_amax_slot):
   """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0.
   x_amax: max |x| (float32 scalar) or None to compute it. kernel_dtypes:
   the kernels' dtypes (their gradients'), as backward keeps their FP8 codes
-  only. fused: the kernels are one (K, sum N_i) projection (`fp8_dense`)."""
-  return fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
-                          gather_axes, reuse_input, fused)[0]
+  only. fused: the kernels are one (K, sum N_i) projection (`fp8_dense`).
+  grad_amax_slot (one kernel): a float32 zero follows the output; its
+  cotangent is taken as max |g| of the output's gradient
+  (`coat_jax.nn.norm`)."""
+  return _fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes,
+                           implementation, gather_axes, reuse_input, fused,
+                           grad_amax_slot)[0]
+
+
+def _fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
+                      gather_axes, reuse_input, fused, grad_amax_slot):
+  outs, residuals = fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes,
+                                     implementation, gather_axes,
+                                     reuse_input, fused)
+  if grad_amax_slot:
+    outs += (jnp.zeros((), jnp.float32),)
+  return outs, residuals
+
+
+def _fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
+                      reuse_input, fused, grad_amax_slot, residuals, grads):
+  grad_amaxes = None
+  if grad_amax_slot:
+    *grads, g_amax = grads
+    grads, grad_amaxes = tuple(grads), (g_amax,)
+  return fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
+                          reuse_input, fused, residuals, grads, grad_amaxes)
 
 
 def _gathered(values, gather_axes, i, transposed=False):
@@ -225,7 +250,7 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   return dx, tuple(dkernels), None  # x_amax: a statistic, no gradient
 
 
-_fp8_dense_2d.defvjp(fp8_dense_2d_fwd, fp8_dense_2d_bwd)
+_fp8_dense_2d.defvjp(_fp8_dense_2d_fwd, _fp8_dense_2d_bwd)
 
 # Tokens are padded to whole 1x128 tiles of the wgrad operands.
 BLOCK_TOKENS = block_quant.TILE
@@ -427,6 +452,7 @@ def fp8_dense(
     gather_axes: tuple[tuple[str | None, ...] | None, ...] | None = None,
     reuse_input: bool = False, x_amax: jax.Array | None = None,
     fused: bool = False, residual: jax.Array | None = None,
+    grad_amax_slot: bool = False,
 ) -> tuple[jax.Array, ...]:
   """FP8 linear maps of one input: `x @ w` for each `w`, saving FP8 only.
 
@@ -468,9 +494,17 @@ def fp8_dense(
       rounded once: with 'block' in the GEMM's epilogue (the Mosaic kernel
       reads it as its C operand), with 'tensor' by XLA (cuBLASLt's C
       operand). Its gradient is the output's.
+    grad_amax_slot: one kernel, scaling 'tensor': also return a slot, a
+      float32 zero whose cotangent backward takes as max |g| of the
+      output's gradient g instead of reading g for it. Hand it to the one
+      function that reads the output and returns that cotangent: the FP8
+      norm's grad_amax_slot (`coat_jax.nn.norm`), whose backward kernel
+      writes g, else `fill_grad_amax_slot`; a slot left unread gives g a
+      wrong scale (its cotangent is 0).
 
   Returns:
-    Tuple of (..., N_i) arrays in x.dtype. Saved for backward: the E4M3 input
+    Tuple of (..., N_i) arrays in x.dtype (then the slot, with
+    grad_amax_slot). Saved for backward: the E4M3 input
     (M x K bytes), its float32 scale(s) (one, or M / 128 per 128 of K
     with 'block'), and each kernel's E4M3 codes (K x N_i bytes; local shards
     under FSDP) with their scale(s) (one, or one per 128x128 block),
@@ -483,6 +517,11 @@ def fp8_dense(
   kernel_dtypes = tuple(jnp.dtype(w.dtype) for w in kernels)
   if residual is not None:
     _check_residual(residual, x, kernels)
+  if grad_amax_slot and (scaling != 'tensor' or len(kernels) != 1):
+    raise ValueError(
+        f'grad_amax_slot needs one kernel and scaling=\'tensor\' (got'
+        f' {len(kernels)} kernels, scaling={scaling!r}): block scaling'
+        ' quantizes gradients in tiles, with no tensor amax.')
   if scaling == 'block':  # pads the tokens itself
     addend = (None if residual is None
               else residual.reshape(-1, residual.shape[-1]))
@@ -499,10 +538,37 @@ def fp8_dense(
     raise ValueError(f'fused=True needs kernels of one dtype; got'
                      f' {[str(d) for d in kernel_dtypes]}.')
   outs = _fp8_dense_2d(x2, kernels, x_amax, kernel_dtypes, implementation,
-                       gather_axes, reuse_input and not pad, fused)
-  outs = tuple(y[:rows].reshape(lead + (y.shape[1],)) for y in outs)
+                       gather_axes, reuse_input and not pad, fused,
+                       grad_amax_slot)
+  slot = outs[-1:] if grad_amax_slot else ()
+  outs = tuple(y[:rows].reshape(lead + (y.shape[1],))
+               for y in outs[:len(kernels)])
   # XLA adds it in cuBLASLt's epilogue (its C operand), as it would outside.
-  return outs if residual is None else (residual + outs[0],)
+  return (outs if residual is None else (residual + outs[0],)) + slot
+
+
+@jax.custom_vjp
+def fill_grad_amax_slot(x: jax.Array, slot: jax.Array) -> jax.Array:
+  """x, unchanged; backward returns max |dx| (float32, NaN if dx holds NaN)
+  as the cotangent of `slot`, by an XLA reduction that XLA fuses into the
+  fusion producing dx where it can.
+
+  The consumer of an FP8 GEMM's grad_amax_slot (`fp8_dense`) for an output
+  that no FP8 norm reads (one that a BF16 norm or XLA code reads)."""
+  del slot
+  return x
+
+
+def _fill_grad_amax_slot_fwd(x, slot):
+  del slot
+  return x, None
+
+
+def _fill_grad_amax_slot_bwd(_, g):
+  return g, _common.tensor_abs_max(g)  # NaN-propagating, as the norm's
+
+
+fill_grad_amax_slot.defvjp(_fill_grad_amax_slot_fwd, _fill_grad_amax_slot_bwd)
 
 
 def _check_residual(residual, x, kernels) -> None:
@@ -532,20 +598,25 @@ def dense(
     scaling: str = 'tensor', gather_axes: Any = None,
     reuse_input: bool = False, x_amax: jax.Array | None = None,
     fused: bool = False, residual: jax.Array | None = None,
+    grad_amax_slot: bool = False,
 ) -> tuple[jax.Array, ...]:
   """`x @ w` for each kernel, with the implementation of `precision`.
 
   'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense` with
-  `scaling`, `gather_axes`, `reuse_input`, `x_amax`, `fused` and
-  `residual` (BF16 matmuls ignore all but residual, which XLA adds in
-  cuBLAS's epilogue). x is cast to `dtype` first; outputs are in `dtype`.
+  `scaling`, `gather_axes`, `reuse_input`, `x_amax`, `fused`, `residual`
+  and `grad_amax_slot` (BF16 matmuls ignore all but residual, which XLA
+  adds in cuBLAS's epilogue, and take no slot). x is cast to `dtype` first;
+  outputs are in `dtype`.
   """
   x = x.astype(dtype)
   if precision_lib.uses_fp8_matmuls(precision):
     return fp8_dense(x, kernels, implementation=implementation,
                      scaling=scaling, gather_axes=gather_axes,
                      reuse_input=reuse_input, x_amax=x_amax, fused=fused,
-                     residual=residual)
+                     residual=residual, grad_amax_slot=grad_amax_slot)
+  if grad_amax_slot:
+    raise ValueError(f'grad_amax_slot needs FP8 matmuls (precision'
+                     f' \'fp8_linear\' or \'coat\'; got {precision!r}).')
   outs = bf16_dense(x, kernels, dtype=dtype)
   if residual is None:
     return outs
@@ -631,7 +702,9 @@ class CoatLinear(nnx.Module):
 
   def __call__(self, x: jax.Array, *, reuse_input: bool = False,
                x_amax: jax.Array | None = None,
-               residual: jax.Array | None = None) -> jax.Array:
+               residual: jax.Array | None = None,
+               grad_amax_slot: bool = False
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """(..., in_features) -> (..., out_features) in `dtype`.
 
     reuse_input: x is kept for backward by its producer anyway (see
@@ -639,9 +712,11 @@ class CoatLinear(nnx.Module):
     producer computed it (see `fp8_dense`). residual: None, or (...,
     out_features) in `dtype` to add (a skip connection): residual + x @ w
     (+ bias), added in the GEMM where the kernel can (see `fp8_dense`).
+    grad_amax_slot: return (output, slot) (see `fp8_dense`).
     """
-    return fanout(x, [self], reuse_input=reuse_input, x_amax=x_amax,
-                  residual=residual)[0]
+    outs = fanout(x, [self], reuse_input=reuse_input, x_amax=x_amax,
+                  residual=residual, grad_amax_slot=grad_amax_slot)
+    return outs if grad_amax_slot else outs[0]
 
 
 def layer_kernels(
@@ -659,14 +734,15 @@ def layer_kernels(
 def fanout(
     x: jax.Array, layers: Sequence[CoatLinear], *, reuse_input: bool = False,
     x_amax: jax.Array | None = None, fused: bool = False,
-    residual: jax.Array | None = None,
+    residual: jax.Array | None = None, grad_amax_slot: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
   The layers must share precision, dtype, implementation, scaling and
   fp8_weight_gather (Q/K/V or gate/up projections). Returns one output per
-  layer. reuse_input, x_amax, fused (one GEMM for all the layers' kernels),
-  residual (one layer only): see `fp8_dense`.
+  layer (then the slot, with grad_amax_slot). reuse_input, x_amax, fused
+  (one GEMM for all the layers' kernels), residual and grad_amax_slot (one
+  layer only): see `fp8_dense`.
   """
   first = layers[0]
 
@@ -682,8 +758,10 @@ def fanout(
   outs = dense(x, kernels, precision=first.precision, dtype=first.dtype,
                implementation=first.implementation, scaling=first.scaling,
                reuse_input=reuse_input, x_amax=x_amax,
-               gather_axes=gather_axes, fused=fused, residual=residual)
+               gather_axes=gather_axes, fused=fused, residual=residual,
+               grad_amax_slot=grad_amax_slot)
+  slot = outs[len(layers):]
   return tuple(
       y + fsdp.gather_weight(layer.bias[...]).astype(y.dtype)
       if layer.bias is not None else y
-      for y, layer in zip(outs, layers, strict=True))
+      for y, layer in zip(outs[:len(layers)], layers, strict=True)) + slot

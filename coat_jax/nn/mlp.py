@@ -216,11 +216,16 @@ class CoatMLP(nnx.Module):
     self.precision = precision
 
   def __call__(self, x: jax.Array, *, x_amax: jax.Array | None = None,
-               residual: jax.Array | None = None) -> jax.Array:
+               residual: jax.Array | None = None,
+               grad_amax_slot: bool = False
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """(..., in_features) -> (..., in_features) in `dtype`. x_amax: max |x|
     if x's producer computed it (`fp8_dense`). residual: None, or (...,
     in_features) added to the output in the down projection (`CoatLinear`):
-    a pre-norm block's skip connection."""
+    a pre-norm block's skip connection. grad_amax_slot: return (output,
+    the down projection's slot) (`fp8_dense`)."""
+    down = functools.partial(self.down_proj, residual=residual,
+                             grad_amax_slot=grad_amax_slot)
     if (precision_lib.uses_fp8_activations(self.precision)
         and self.gate_proj.scaling == 'tensor'):
       kernels, gather_axes = linear.layer_kernels(
@@ -229,11 +234,11 @@ class CoatMLP(nnx.Module):
           x.astype(self.gate_proj.dtype), *kernels,
           implementation=self.gate_proj.implementation,
           gather_axes=gather_axes, x_amax=x_amax)
-      return self.down_proj(h, x_amax=h_amax, residual=residual)
+      return down(h, x_amax=h_amax)
     gate, up = checkpoint_name(
         linear.fanout(x, [self.gate_proj, self.up_proj], x_amax=x_amax),
         GATE_UP)
     if precision_lib.uses_fp8_activations(self.precision):
       h, h_amax = fp8_swiglu_with_amax(gate, up)
-      return self.down_proj(h, x_amax=h_amax, residual=residual)
-    return self.down_proj(swiglu(gate, up), residual=residual)
+      return down(h, x_amax=h_amax)
+    return down(swiglu(gate, up))

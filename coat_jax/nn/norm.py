@@ -4,6 +4,17 @@ y = x * rsqrt(mean(x^2) + eps) * scale, statistics in float32.
 `fp8_rms_norm` saves only x as E4M3 in 1x16 groups (power-of-two E8M0
 scales) and rstd (float32, one per row); backward dequantizes x and
 recomputes x_hat.
+
+Gradient amax slots: the FP8 GEMM that produced x (the out or down
+projection of a pre-norm block, `coat_jax.nn.linear.fp8_dense` with
+`grad_amax_slot=True`) quantizes dx, x's gradient, with one per-tensor
+scale, so it needs max |dx|; the norm's backward kernel writes dx and can
+take that max in the same pass. A cotangent is the only way back from one
+custom_vjp to another: the projection returns a float32 zero, the slot,
+which the norm takes as `grad_amax_slot`, and the norm's backward returns
+max |dx| as the slot's cotangent (Flax's FP8 ops pass their scales back
+through cotangents in the same way). A slot must reach exactly one norm:
+unconsumed, its cotangent is 0, and two consumers would add theirs.
 """
 
 import functools
@@ -47,12 +58,13 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
   return scale.astype(x.dtype) * (xf * rstd).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_rms_norm(x, scale, eps):
-  return _fp8_rms_norm_fwd(x, scale, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_rms_norm(x, slot, scale, eps):
+  return _fp8_rms_norm_fwd(x, slot, scale, eps)[0]
 
 
-def _fp8_rms_norm_fwd(x, scale, eps):
+def _fp8_rms_norm_fwd(x, slot, scale, eps):
+  del slot  # only its cotangent matters
   (y, _), residuals = _fp8_rms_norm_with_amax_fwd(x, scale, eps)
   return y, residuals
 
@@ -70,25 +82,27 @@ def _fp8_rms_norm_with_amax_fwd(x, scale, eps):
 
 
 def _fp8_rms_norm_bwd(eps, residuals, g, residual_grad=None):
+  """(dx, the slot's cotangent max |dx|, dscale)."""
   del eps
   xq, rstd, scale = residuals
   (xq, rstd), (g, residual_grad) = after_grads((xq, rstd),
                                                (g, residual_grad))
-  dx, dscale = rms_norm_fp8_api.rms_norm_fp8_bwd(
+  dx, dscale, dx_amax = rms_norm_fp8_api.rms_norm_fp8_bwd(
       xq.values, xq.scale, rstd, scale, g, residual_grad=residual_grad,
       group_size=xq.group_size)
-  return dx, dscale.astype(scale.dtype)
+  return dx, dx_amax, dscale.astype(scale.dtype)
 
 
 _fp8_rms_norm.defvjp(_fp8_rms_norm_fwd, _fp8_rms_norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_rms_norm_with_input(x, scale, eps):
-  return _fp8_rms_norm_with_input_fwd(x, scale, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_rms_norm_with_input(x, slot, scale, eps):
+  return _fp8_rms_norm_with_input_fwd(x, slot, scale, eps)[0]
 
 
-def _fp8_rms_norm_with_input_fwd(x, scale, eps):
+def _fp8_rms_norm_with_input_fwd(x, slot, scale, eps):
+  del slot  # only its cotangent matters
   (y, y_amax), residuals = _fp8_rms_norm_with_amax_fwd(x, scale, eps)
   return (x, y, y_amax), residuals
 
@@ -103,7 +117,8 @@ _fp8_rms_norm_with_input.defvjp(_fp8_rms_norm_with_input_fwd,
 
 
 def fp8_rms_norm(
-    x: jax.Array, scale: jax.Array, eps: float = 1e-5
+    x: jax.Array, scale: jax.Array, eps: float = 1e-5, *,
+    grad_amax_slot: jax.Array | None = None
 ) -> jax.Array:
   """RMSNorm that saves its input as E4M3 1x16 groups plus fp32 rstd.
 
@@ -111,13 +126,30 @@ def fp8_rms_norm(
     x: (..., H) bfloat16 (or float32) input, H a multiple of 16.
     scale: (H,) gain (a float32 param; its gradient keeps its dtype).
     eps: added to the mean square.
+    grad_amax_slot: None, or the slot that came with x from the FP8 GEMM
+      that produced it (see the module doc): its cotangent is max |dx|.
 
   Returns:
     (..., H) in x.dtype, identical to `rms_norm` in the forward pass.
     Saved: H bytes + H/16 one-byte scales + one fp32 rstd per row.
   """
   _check_fp8_input(x, scale)
-  return _fp8_rms_norm(x, scale, eps)
+  return _fp8_rms_norm(x, _slot(grad_amax_slot), scale, eps)
+
+
+def _slot(grad_amax_slot: jax.Array | None) -> jax.Array:
+  """The slot as a float32 scalar (a zero whose cotangent nothing takes
+  when None)."""
+  if grad_amax_slot is None:
+    return jnp.zeros((), jnp.float32)
+  if (getattr(grad_amax_slot, 'shape', None) != ()
+      or grad_amax_slot.dtype != jnp.float32):
+    raise ValueError(
+        f'grad_amax_slot must be the float32 scalar slot that an FP8 GEMM'
+        f' returned with x (`fp8_dense(..., grad_amax_slot=True)`); got'
+        f' {getattr(grad_amax_slot, "shape", None)}'
+        f' {getattr(grad_amax_slot, "dtype", type(grad_amax_slot))}.')
+  return grad_amax_slot
 
 
 def _check_fp8_input(x: jax.Array, scale: jax.Array):
@@ -130,7 +162,8 @@ def _check_fp8_input(x: jax.Array, scale: jax.Array):
 
 
 def fp8_rms_norm_with_input(
-    x: jax.Array, scale: jax.Array, eps: float = 1e-5
+    x: jax.Array, scale: jax.Array, eps: float = 1e-5, *,
+    grad_amax_slot: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(x, y = fp8_rms_norm(x), max |y|) for a pre-norm block x + f(norm(x)).
 
@@ -140,9 +173,11 @@ def fp8_rms_norm_with_input(
   GPU, in float32 before dx is rounded) instead of in a separate add.
   max |y| (a float32 scalar without gradient, from the norm's own pass) is
   the `x_amax` of the FP8 GEMMs that read y: no amax pass over y.
+  grad_amax_slot: as `fp8_rms_norm`'s; its cotangent is max |dx| of the
+  whole gradient of x, the residual stream's included.
   """
   _check_fp8_input(x, scale)
-  return _fp8_rms_norm_with_input(x, scale, eps)
+  return _fp8_rms_norm_with_input(x, _slot(grad_amax_slot), scale, eps)
 
 
 class CoatRMSNorm(nnx.Module):
@@ -180,20 +215,33 @@ class CoatRMSNorm(nnx.Module):
     self.dtype = dtype
     self.precision = precision
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """(..., num_features) -> same shape in `dtype`."""
+  def __call__(self, x: jax.Array, *,
+               grad_amax_slot: jax.Array | None = None) -> jax.Array:
+    """(..., num_features) -> same shape in `dtype`. grad_amax_slot: the
+    slot that came with x ('coat' mode; see `fp8_rms_norm`)."""
     x = x.astype(self.dtype)
     if precision_lib.uses_fp8_activations(self.precision):
-      return fp8_rms_norm(x, self.scale[...], self.epsilon)
+      return fp8_rms_norm(x, self.scale[...], self.epsilon,
+                          grad_amax_slot=grad_amax_slot)
+    self._check_no_slot(grad_amax_slot)
     return rms_norm(x, self.scale[...], self.epsilon)
 
   def with_input(
-      self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+      self, x: jax.Array, *, grad_amax_slot: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(x, y = self(x), max |y| or None), for a pre-norm block x + f(y): in
     'coat' mode (x in `dtype`) backward adds the residual stream's gradient
     inside the norm's backward pass, and max |y| comes from the norm's pass
-    (`fp8_rms_norm_with_input`); else None."""
+    (`fp8_rms_norm_with_input`, which takes `grad_amax_slot`); else None."""
     if (precision_lib.uses_fp8_activations(self.precision)
         and x.dtype == self.dtype):
-      return fp8_rms_norm_with_input(x, self.scale[...], self.epsilon)
+      return fp8_rms_norm_with_input(x, self.scale[...], self.epsilon,
+                                     grad_amax_slot=grad_amax_slot)
+    self._check_no_slot(grad_amax_slot)
     return x, self(x), None
+
+  def _check_no_slot(self, grad_amax_slot):
+    if grad_amax_slot is not None:
+      raise ValueError(
+          f'grad_amax_slot needs precision \'coat\' and x in {self.dtype}'
+          f' (the FP8 norm; precision={self.precision!r}): leave it None.')

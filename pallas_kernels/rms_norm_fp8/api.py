@@ -2,6 +2,8 @@
 
 `rms_norm_fp8_fwd` also returns amax |y| (float32, NaN if y holds NaN):
 pass it as `amax=` to the per-tensor quantizer of the GEMM that reads y.
+`rms_norm_fp8_bwd` returns amax |dx| likewise, for the quantizer of the
+gradient of the GEMM that produced x.
 """
 
 import math
@@ -90,8 +92,9 @@ def rms_norm_fp8_bwd(
     g: jax.Array, *, residual_grad: jax.Array | None = None,
     group_size: int = reference.GROUP_SIZE,
     implementation: str | None = None
-) -> tuple[jax.Array, jax.Array]:
-  """dx and dscale of `rms_norm_fp8_fwd` from its saved groups, one pass.
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """dx, dscale and amax |dx| of `rms_norm_fp8_fwd`'s saved groups, one
+  pass.
 
   Args:
     codes, scales, rstd: from `rms_norm_fp8_fwd`.
@@ -104,7 +107,8 @@ def rms_norm_fp8_bwd(
       Hopper GPU), 'xla' or 'pallas'.
 
   Returns:
-    (dx (..., H) g.dtype, dscale (H,) float32).
+    (dx (..., H) g.dtype, dscale (H,) float32, amax |dx| () float32, NaN if
+    dx holds NaN).
   """
   _check(g, scale, group_size, 'g')
   ng = -(-g.shape[-1] // group_size)

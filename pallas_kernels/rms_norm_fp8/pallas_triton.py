@@ -6,9 +6,10 @@ zero padding of a partial last group). Forward: one read of x writes y, x's
 1x16 groups, rstd and one max |y| per program (reduced in XLA). Backward:
 a program walks `steps` blocks of `block_rows` rows, writes dx and
 accumulates its partial dscale (one float32 row per program, summed in XLA:
-deterministic, unlike atomics); a residual stream's gradient, if given, is
-added to dx in float32 before dx is rounded. The group math is the
-per-group quantizer's own (`store_groups`, `load_groups`).
+deterministic, unlike atomics) and its max |dx| (of dx as rounded); a
+residual stream's gradient, if given, is added to dx in float32 before dx
+is rounded. The group math is the per-group quantizer's own
+(`store_groups`, `load_groups`).
 """
 
 import dataclasses
@@ -165,16 +166,19 @@ def bwd_block_sizes(rows: int, cols: int) -> BlockSizes:
 
 def _bwd_kernel(c_ref, xs_ref, r_ref, s_ref, g_ref, *refs, rows, cols,
                 block_rows, steps, group_size, ops):
-  # refs: (residual_grad, dx, dscale), or (dx, dscale) without it.
-  res_ref, (dx_ref, ds_ref) = (refs[0], refs[1:]) if len(refs) == 3 else (
-      None, refs)
+  # refs: (residual_grad, dx, dscale, amax), or (dx, dscale, amax).
+  res_ref, (dx_ref, ds_ref, a_ref) = (
+      (refs[0], refs[1:]) if len(refs) == 4 else (None, refs))
   br = block_rows
   hp = g_ref.shape[1]
   scale = _common.masked_load(s_ref, _col_mask(hp, cols), 0.0)
   first_row = pl.program_id(0) * br * steps
   exact = rows % (br * steps) == 0 and cols == hp
 
-  def block(k, dscale):
+  def block(k, carry):
+    # amax as int32 bits: |dx| orders like its bits (NaN above +inf), and
+    # Triton's float max would drop a NaN.
+    dscale, amax_bits = carry
     mask, gmask, rmask = _masks(first_row + k * br, br, hp, rows, cols,
                                 group_size, exact)
     at = lambda ref, w: ref.at[pl.ds(k * br, br), pl.ds(0, w)]
@@ -188,15 +192,23 @@ def _bwd_kernel(c_ref, xs_ref, r_ref, s_ref, g_ref, *refs, rows, cols,
     dx = rstd * (g_hat - x_hat * mean)
     if res_ref is not None:
       dx = dx + _common.masked_load(at(res_ref, hp), mask, 0.0)
-    pltriton.store(at(dx_ref, hp), dx.astype(dx_ref.dtype), mask=mask)
-    return dscale + jnp.sum(g * x_hat, axis=0, keepdims=True)
+    dx = dx.astype(dx_ref.dtype)
+    pltriton.store(at(dx_ref, hp), dx, mask=mask)
+    absdx = jnp.abs(dx.astype(jnp.float32))
+    if mask is not None:  # lanes past the view: 0 * a NaN row's mean
+      absdx = jnp.where(mask, absdx, 0.0)
+    amax = _common.abs_max(_common.abs_max(absdx, 1), 0)
+    return (dscale + jnp.sum(g * x_hat, axis=0, keepdims=True),
+            jnp.maximum(amax_bits, lax.bitcast_convert_type(amax, jnp.int32)))
 
-  dscale = jnp.zeros((1, hp), jnp.float32)
+  carry = (jnp.zeros((1, hp), jnp.float32), jnp.int32(0))
   if steps == 1:
-    dscale = block(0, dscale)
+    dscale, amax_bits = block(0, carry)
   else:
-    dscale = lax.fori_loop(0, steps, block, dscale)
+    dscale, amax_bits = lax.fori_loop(0, steps, block, carry)
   pltriton.store(ds_ref, dscale, mask=_col_mask(hp, cols))
+  a_ref[...] = jnp.full(a_ref.shape,
+                        lax.bitcast_convert_type(amax_bits, jnp.float32))
 
 
 @functools.partial(
@@ -206,7 +218,7 @@ def rms_norm_fp8_bwd(
     g: jax.Array, *, residual_grad: jax.Array | None = None,
     group_size: int = reference.GROUP_SIZE,
     block_sizes: BlockSizes | None = None, interpret: bool = False
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pallas version of `reference.rms_norm_fp8_bwd` (same contract);
   block_sizes None: `bwd_block_sizes`."""
   shape = g.shape
@@ -227,13 +239,16 @@ def rms_norm_fp8_bwd(
   if residual_grad is not None:
     inputs.append(residual_grad.reshape(rows, cols))
     in_specs.append(row_block(hp))
-  dx, dscale = pl.pallas_call(
+  dx, dscale, amax = pl.pallas_call(
       kernel, grid=(nprog,), in_specs=in_specs,
-      out_specs=[row_block(hp), pl.BlockSpec((1, hp), lambda i: (i, 0))],
+      out_specs=[row_block(hp), pl.BlockSpec((1, hp), lambda i: (i, 0)),
+                 pl.BlockSpec((1, 1), lambda i: (i, 0))],
       out_shape=[jax.ShapeDtypeStruct((rows, cols), g.dtype),
-                 jax.ShapeDtypeStruct((nprog, cols), jnp.float32)],
+                 jax.ShapeDtypeStruct((nprog, cols), jnp.float32),
+                 jax.ShapeDtypeStruct((nprog, 1), jnp.float32)],
       interpret=interpret,
       compiler_params=_common.compiler_params(warps, 1),
       name='rms_norm_fp8_bwd',
   )(*inputs)
-  return dx.reshape(shape), jnp.sum(dscale, axis=0)
+  return (dx.reshape(shape), jnp.sum(dscale, axis=0),
+          jnp.max(amax))  # NaN-propagating in XLA

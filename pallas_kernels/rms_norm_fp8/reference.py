@@ -5,7 +5,9 @@ specification of the kernels): y = x * rsqrt(mean(x^2) + eps) * scale in
 float32, cast to x.dtype; the backward pass gets x back from its 1x16 E4M3
 groups (bfloat16 scales) and rstd. Besides, the forward pass returns
 amax |y| (float32; NaN if y holds NaN): the per-tensor scale of the FP8 GEMM
-that reads y, so that its quantizer needs no amax pass of its own.
+that reads y, so that its quantizer needs no amax pass of its own; the
+backward pass returns amax |dx| likewise, for the FP8 GEMM whose output x
+was (`coat_jax.nn.norm`'s grad_amax_slot).
 """
 
 from typing import Any
@@ -50,7 +52,7 @@ def rms_norm_fp8_bwd(
     codes: jax.Array, scales: jax.Array, rstd: jax.Array, scale: jax.Array,
     g: jax.Array, *, residual_grad: jax.Array | None = None,
     group_size: int = GROUP_SIZE
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Gradients of `rms_norm_fp8_fwd`'s y from its saved FP8 groups.
 
   Args:
@@ -64,7 +66,8 @@ def rms_norm_fp8_bwd(
     group_size: the group size of the forward pass.
 
   Returns:
-    (dx (..., H) g.dtype, dscale (H,) float32).
+    (dx (..., H) g.dtype, dscale (H,) float32, amax |dx| () float32 of dx
+    as returned, NaN if dx holds NaN).
   """
   x = group_reference.dequantize_per_group(codes, scales, None, group_size)
   x_hat = x * rstd
@@ -74,4 +77,5 @@ def rms_norm_fp8_bwd(
   if residual_grad is not None:
     dx = dx + residual_grad.astype(jnp.float32)
   dscale = jnp.sum((gf * x_hat).reshape(-1, x_hat.shape[-1]), axis=0)
-  return dx.astype(g.dtype), dscale
+  dx = dx.astype(g.dtype)
+  return dx, dscale, _common.tensor_abs_max(dx)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _common
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.rms_norm_fp8 import api
 from pallas_kernels.rms_norm_fp8 import pallas_triton
@@ -144,6 +145,9 @@ def _assert_matches(x, scale, block_sizes=None, scale_dtype=jnp.bfloat16,
   _assert_close(dout[0], dref[0], dx_tol + _residual_tol(residual_grad),
                 'dx')
   _assert_close(dout[1], dref[1], ds_tol, 'dscale')
+  # max |dx| of the dx each returns: the same bits as an XLA pass over it.
+  for d, what in ((dout, 'kernel'), (dref, 'reference')):
+    _assert_same(d[2], _common.tensor_abs_max(d[0]), f'amax |dx| {what}')
   return ref, dout
 
 
@@ -181,7 +185,7 @@ def test_backward_adds_the_residual_gradient(shape, dtype):
   _, codes, scales, rstd, _ = reference.rms_norm_fp8_fwd(
       x, scale, EPS, scale_dtype=jnp.float8_e8m0fnu)
   g = _data(shape, dtype, seed=24)
-  dx, dscale = jax.jit(lambda g, r: reference.rms_norm_fp8_bwd(
+  dx, dscale, _ = jax.jit(lambda g, r: reference.rms_norm_fp8_bwd(
       codes, scales, rstd, scale, g, residual_grad=r))(g, r)
   dx32 = jax.jit(lambda g: reference.rms_norm_fp8_bwd(
       codes, scales, rstd, scale, g.astype(jnp.float32))[0])(g)
@@ -227,10 +231,12 @@ def test_a_nan_residual_gradient_reaches_dx():
   g = _data((8, 48), seed=27)
   r = jnp.zeros_like(g).at[3, 7].set(jnp.nan)
   for impl in ('pallas', 'xla'):
-    dx, _ = api.rms_norm_fp8_bwd(codes, scales, rstd, scale, g,
-                                 residual_grad=r, implementation=impl)
+    dx, _, dx_amax = api.rms_norm_fp8_bwd(codes, scales, rstd, scale, g,
+                                          residual_grad=r,
+                                          implementation=impl)
     nan = np.isnan(_f32(dx))
     assert nan[3, 7] and nan.sum() == 1, impl
+    assert np.isnan(float(dx_amax)), impl
 
 
 @pytest.mark.parametrize('scale_dtype', SCALE_DTYPES)
@@ -296,8 +302,9 @@ def test_dispatch_jit_and_bad_input():
     _assert_same(a, b)
   empty = api.rms_norm_fp8_fwd(x[:0], scale, implementation='pallas')
   assert empty[0].shape == (0, 32) and float(empty[-1]) == 0.0
-  assert api.rms_norm_fp8_bwd(*empty[1:4], scale, x[:0],
-                              implementation='pallas')[1].shape == (32,)
+  empty_bwd = api.rms_norm_fp8_bwd(*empty[1:4], scale, x[:0],
+                                   implementation='pallas')
+  assert empty_bwd[1].shape == (32,) and float(empty_bwd[2]) == 0.0
   with pytest.raises(ValueError, match='implementation'):
     api.rms_norm_fp8_fwd(x, scale, implementation='triton')
   with pytest.raises(ValueError, match='scale has shape'):
@@ -359,6 +366,12 @@ def test_gpu_kernels_match_xla(shape, dtype, scale_dtype):
   _assert_close(dout_r[0], dref_r[0], dx_tol + _residual_tol(r),
                 'dx + residual_grad')
   _assert_close(dout_r[1], dref_r[1], ds_tol, 'dscale with residual_grad')
+  for d in (dout, dout_r):  # NaN here: the inputs hold NaN
+    _assert_same(d[2], _common.tensor_abs_max(d[0]), 'amax |dx|')
+  clean_bwd = _check(clean, scale, interpret=False, scale_dtype=scale_dtype,
+                     residual_grad=r)[4]
+  amax = float(clean_bwd[2])
+  assert 0 < amax == float(np.abs(_f32(clean_bwd[0])).max()), amax
 
 
 def test_fp8_rms_norm_layer_gradients_through_the_kernels(monkeypatch):

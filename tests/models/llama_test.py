@@ -139,6 +139,94 @@ def test_unrolled_layers_equal_scanned(precision):
   assert _cos(g_loop, g_scan) > (0.9999 if bf16 else 0.995)
 
 
+def _slot_run(cfg, slots, tokens, targets):
+  """(loss, gradients, jaxpr of the step) of a 'coat' Llama with the
+  layers' gradient amax slots on or off (`DecoderLayer.grad_amax_slots`)."""
+  model = cm.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+  # The default in 'coat' with 'tensor' scaling where the kernels run.
+  assert model.layers.grad_amax_slots == (not cnn.residuals.xla_quantizes())
+  model.layers.grad_amax_slots = slots
+  graph, state = nnx.split(model)
+  step = jax.value_and_grad(
+      lambda s: cm.lm_loss(nnx.merge(graph, s), tokens, targets))
+  loss, grads = jax.jit(step)(state)
+  return loss, jax.tree.leaves(grads), jax.make_jaxpr(step)(state).jaxpr
+
+
+def _reductions_of_size(jaxpr, size):
+  """reduce_max equations over `size` elements, in jaxpr and its bodies."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'reduce_max' and eqn.invars[0].aval.size == size:
+      count += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, 'jaxpr', sub)
+        if hasattr(sub, 'eqns'):
+          count += _reductions_of_size(sub, size)
+  return count
+
+
+@pytest.mark.parametrize('scan_layers,implementation', [
+    (False, 'xla'), (True, 'xla'), (False, 'pallas')])
+def test_grad_amax_slots_replace_the_residual_gradients_amax_passes(
+    scan_layers, implementation, monkeypatch):
+  """'coat' with 'tensor' scaling: the out and down projections take max |g|
+  of their output gradient (the residual stream's) from the next norm's
+  backward, through slots, instead of a pass over g of their own; the last
+  layer's from `fill_grad_amax_slot`. The same loss and gradients, bit for
+  bit, as with the passes; with the norms' kernels (as on one Hopper GPU,
+  interpreted here) 2 L - 1 fewer passes over a residual-stream-sized
+  tensor. On a GPU, where an XLA fusion may take an amax before rounding
+  to bfloat16 (xla_allow_excess_precision) in one program and not in the
+  other, a scale may move by half a bfloat16 step and flip a few FP8 codes
+  (cosine 0.998-0.999 on an H200): as close as unrolled and scanned layers
+  (`test_unrolled_layers_equal_scanned`)."""
+  if implementation == 'pallas':
+    from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(_common, 'resolve_implementation',
+                        lambda impl, default=True: ('pallas', True))
+  cfg = cm.LlamaConfig.preset('tiny', num_layers=3, scan_layers=scan_layers)
+  tokens = _tokens(cfg, 2, 32, jax.random.key(5))
+  targets = jnp.roll(tokens, -1, axis=1)
+  (loss, grads, jaxpr), (loss0, grads0, jaxpr0) = (
+      _slot_run(cfg, slots, tokens, targets) for slots in (True, False))
+  assert float(loss) == float(loss0) and np.isfinite(float(loss))
+  if jax.default_backend() == 'cpu':
+    for a, b in zip(grads, grads0, strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  else:
+    flat = lambda gs: np.concatenate(
+        [np.asarray(g, np.float64).ravel() for g in gs])
+    assert _cos(flat(grads), flat(grads0)) > 0.995
+  if implementation == 'pallas':
+    size = 2 * 32 * cfg.hidden_size
+    assert (_reductions_of_size(jaxpr0, size)
+            - _reductions_of_size(jaxpr, size)) == 2 * cfg.num_layers - 1
+
+
+def test_layer_with_a_slot_returns_the_next_one():
+  cfg = cm.LlamaConfig.preset('tiny')
+  layer = DecoderLayer(cfg, precision='coat', dtype=jnp.bfloat16,
+                       param_dtype=jnp.float32, implementation=None,
+                       rngs=nnx.Rngs(0))
+  layer.grad_amax_slots = True  # as on one Hopper GPU
+  x = jax.random.normal(jax.random.key(0), (2, 16, cfg.hidden_size),
+                        jnp.bfloat16)
+  cos, sin = rope_tables(16, cfg.head_dim, cfg.rope_theta)
+  y = layer(x, cos, sin)
+  y2, slot = layer(x, cos, sin, grad_amax_slot=jnp.zeros((), jnp.float32))
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray(y2, np.float32))
+  assert slot.shape == () and slot.dtype == jnp.float32
+  bf16 = DecoderLayer(cfg, precision='bf16', dtype=jnp.bfloat16,
+                      param_dtype=jnp.float32, implementation=None,
+                      rngs=nnx.Rngs(0))
+  assert not bf16.grad_amax_slots
+  with pytest.raises(ValueError, match='grad_amax_slot needs precision'):
+    bf16(x, cos, sin, grad_amax_slot=jnp.zeros((), jnp.float32))
+
+
 def _hoisted_scan_constants(jaxpr, length):
   """Avals of the constants of every scan of `length` steps that an equation
   computes (not a param or input): what jax's scan autodiff hoists out of

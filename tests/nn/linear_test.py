@@ -263,6 +263,59 @@ def test_residual_joins_the_output_and_takes_its_gradient(precision,
                                   np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize('shape', [(2, 40, 128), (37, 128)])
+def test_grad_amax_slot_takes_max_abs_g_from_its_cotangent(shape):
+  """grad_amax_slot: the same output and a float32 zero, the slot; backward
+  quantizes the output gradient g with the slot's cotangent as max |g|.
+  Given max |g| (what the FP8 norm's backward or `fill_grad_amax_slot`
+  returns), the gradients are those without a slot, bit for bit; given
+  another value, they change (it is read). 37 tokens: padded to 48."""
+  k = jax.random.split(_key(), 4)
+  x = jax.random.normal(k[0], shape, jnp.bfloat16)
+  w = jax.random.normal(k[1], (128, 256)) * 0.1
+  r = jax.random.normal(k[2], shape[:-1] + (256,), jnp.bfloat16)
+  dy = jax.random.normal(k[3], shape[:-1] + (256,), jnp.bfloat16)
+  run = lambda x, w, r: cnn.fp8_dense(x, [w], residual=r,
+                                      grad_amax_slot=True)
+  plain = lambda x, w, r: cnn.fp8_dense(x, [w], residual=r)[0]
+  (y, slot), vjp = jax.vjp(run, x, w, r)
+  y0, vjp0 = jax.vjp(plain, x, w, r)
+  assert slot.shape == () and slot.dtype == jnp.float32 and float(slot) == 0
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray(y0, np.float32))
+  amax = jnp.abs(dy.astype(jnp.float32)).max()
+  want = vjp0(dy)
+  for got in (vjp((dy, amax)), jax.jit(jax.grad(
+      lambda x, w, r: jnp.vdot(cnn.fill_grad_amax_slot(*run(x, w, r)), dy
+                               ).astype(jnp.float32), argnums=(0, 1, 2)))(
+                                   x, w, r)):
+    for a, b in zip(got, want, strict=True):
+      np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                    np.asarray(b, np.float32))
+  dx, dw, _ = vjp((dy, 3 * amax))  # another scale: other E5M2 codes
+  assert not np.array_equal(np.asarray(dx, np.float32),
+                            np.asarray(want[0], np.float32))
+  assert not np.array_equal(np.asarray(dw), np.asarray(want[1]))
+  # A NaN in g: max |g| is NaN and so are the gradients (NaN never passes).
+  nan_dy = dy.reshape(-1, 256).at[5, 7].set(jnp.nan).reshape(dy.shape)
+  _, fill_vjp = jax.vjp(cnn.fill_grad_amax_slot, y, slot)
+  assert np.isnan(float(fill_vjp(nan_dy)[1]))
+
+
+def test_grad_amax_slot_errors_name_the_setting():
+  x = jnp.ones((2, 16, 128), jnp.bfloat16)
+  ws = [jnp.ones((128, 128)), jnp.ones((128, 128))]
+  with pytest.raises(ValueError, match='grad_amax_slot needs one kernel'):
+    cnn.fp8_dense(x, ws, grad_amax_slot=True)
+  with pytest.raises(ValueError, match='grad_amax_slot needs one kernel'):
+    cnn.fp8_dense(x, ws[:1], scaling='block', grad_amax_slot=True)
+  with pytest.raises(ValueError, match='grad_amax_slot needs FP8 matmuls'):
+    cnn.dense(x, ws[:1], precision='bf16', grad_amax_slot=True)
+  layer = cnn.CoatLinear(128, 128, rngs=nnx.Rngs(0))
+  y, slot = layer(x, grad_amax_slot=True)
+  assert y.shape == (2, 16, 128) and slot.shape == ()
+
+
 def test_residual_errors_name_the_argument():
   x = jnp.ones((2, 16, 128), jnp.bfloat16)
   ws = [jnp.ones((128, 128)), jnp.ones((128, 128))]

@@ -89,13 +89,11 @@ def test_nan_propagates_to_dx():
   assert np.isnan(np.asarray(dx[1], np.float32)).all()
 
 
-@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
-def test_with_input_adds_the_residual_gradient_before_rounding(
-    implementation, monkeypatch):
-  """(x, norm(x)) with the residual stream's gradient added inside the
-  norm's backward pass: the values of x, fp8_rms_norm(x); dscale the same;
-  dx the separate sum's to one rounding, and closer to float32."""
-  if implementation == 'pallas':  # as on one Hopper GPU (interpreted here)
+def _with_input_case(implementation, monkeypatch):
+  """(x, scale, g_x, g_y) of a pre-norm block's norm, with the kernels
+  picked if `implementation` is 'pallas' (as on one Hopper GPU;
+  interpreted here)."""
+  if implementation == 'pallas':
     from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(_common, 'resolve_implementation',
                         lambda impl, default=True: ('pallas', True))
@@ -104,6 +102,16 @@ def test_with_input_adds_the_residual_gradient_before_rounding(
   scale = 1 + 0.1 * jax.random.normal(k[1], (256,))
   g_x = jax.random.normal(k[2], x.shape, jnp.bfloat16)
   g_y = jax.random.normal(k[3], x.shape, jnp.bfloat16)
+  return x, scale, g_x, g_y
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_with_input_adds_the_residual_gradient_before_rounding(
+    implementation, monkeypatch):
+  """(x, norm(x)) with the residual stream's gradient added inside the
+  norm's backward pass: the values of x, fp8_rms_norm(x); dscale the same;
+  dx the separate sum's to one rounding, and closer to float32."""
+  x, scale, g_x, g_y = _with_input_case(implementation, monkeypatch)
 
   def grads(fn, x, scale):
     out, vjp = jax.vjp(fn, x, scale)
@@ -136,6 +144,50 @@ def test_with_input_adds_the_residual_gradient_before_rounding(
   assert (np.abs(dx32 - dx_sep32)
           <= 2**-7 * (np.abs(dnorm) + np.abs(exact)) + 1e-6).all()
   assert np.abs(dx32 - exact).mean() < np.abs(dx_sep32 - exact).mean()
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, monkeypatch):
+  """The slot's cotangent is max |dx| of the dx returned (the residual
+  stream's gradient included), NaN if dx holds NaN; dx is unchanged. On a
+  GPU the jnp reference (or the kernel interpreted) runs as XLA fusions,
+  which may take the max before rounding dx to bfloat16
+  (xla_allow_excess_precision): within half a bfloat16 step there; the
+  compiled kernel's is exact (tests/kernels/rms_norm_fp8_test.py)."""
+  x, scale, g_x, g_y = _with_input_case(implementation, monkeypatch)
+  slot = jnp.zeros((), jnp.float32)
+  cases = [
+      (lambda x, s: cnn.fp8_rms_norm_with_input(x, scale, grad_amax_slot=s),
+       lambda x: cnn.fp8_rms_norm_with_input(x, scale),
+       lambda g: (g_x, g, jnp.float32(0))),
+      (lambda x, s: cnn.fp8_rms_norm(x, scale, grad_amax_slot=s),
+       lambda x: cnn.fp8_rms_norm(x, scale), lambda g: g)]
+  for with_slot, without, cotangent in cases:
+    vjp = jax.jit(lambda x, s, g, f=with_slot, c=cotangent: jax.vjp(
+        f, x, s)[1](c(g)))
+    dx, dslot = vjp(x, slot, g_y)
+    (dx0,) = jax.vjp(without, x)[1](cotangent(g_y))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32),
+                                  np.asarray(dx0, np.float32))
+    assert dslot.dtype == jnp.float32 and dslot.shape == ()
+    amax = float(np.abs(np.asarray(dx, np.float32)).max())
+    tol = 0.0 if jax.default_backend() == 'cpu' else amax * 2.0**-9
+    assert abs(float(dslot) - amax) <= tol and amax > 0, (float(dslot), amax)
+    nan_g = g_y.at[1, 3, 5].set(jnp.nan)
+    assert np.isnan(float(vjp(x, slot, nan_g)[1]))
+
+
+def test_grad_amax_slot_errors_name_the_setting():
+  x = jnp.ones((3, 64), jnp.bfloat16)
+  slot = jnp.zeros((), jnp.float32)
+  with pytest.raises(ValueError, match="grad_amax_slot needs precision"):
+    cnn.CoatRMSNorm(64, precision='bf16', rngs=nnx.Rngs(0))(
+        x, grad_amax_slot=slot)
+  with pytest.raises(ValueError, match="grad_amax_slot needs precision"):
+    cnn.CoatRMSNorm(64, precision='coat', rngs=nnx.Rngs(0)).with_input(
+        x.astype(jnp.float32), grad_amax_slot=slot)
+  with pytest.raises(ValueError, match='float32 scalar slot'):
+    cnn.fp8_rms_norm(x, jnp.ones((64,)), grad_amax_slot=jnp.zeros((1,)))
 
 
 @pytest.mark.parametrize('precision', ['bf16', 'coat'])
