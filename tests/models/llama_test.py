@@ -174,7 +174,8 @@ def test_grad_amax_slots_replace_the_residual_gradients_amax_passes(
   """'coat' with 'tensor' scaling: the out and down projections take max |g|
   of their output gradient (the residual stream's) from the next norm's
   backward, through slots, instead of a pass over g of their own; the last
-  layer's from `fill_grad_amax_slot`. The same loss and gradients, bit for
+  layer's from `fill_grad_amax_slot` (scanned layers: the out projections
+  only). The same loss and gradients, bit for
   bit, as with the passes; with the norms' kernels (as on one Hopper GPU,
   interpreted here) 2 L - 1 fewer passes over a residual-stream-sized
   tensor. On a GPU, where an XLA fusion may take an amax before rounding
