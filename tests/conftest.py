@@ -18,6 +18,18 @@ jax.config.update('jax_compilation_cache_dir', os.path.join(
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
+@pytest.fixture
+def pick_pallas(monkeypatch):
+  """Call it to make every kernel dispatch (`_common.resolve_implementation`)
+  pick the Pallas kernels, interpreted: the path the defaults take on one
+  Hopper GPU."""
+  def pick():
+    from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(_common, 'resolve_implementation',
+                        lambda impl, default=True: ('pallas', True))
+  return pick
+
+
 def _has_hopper() -> bool:
   try:
     gpus = jax.devices('gpu')

@@ -374,20 +374,18 @@ def test_gpu_kernels_match_xla(shape, dtype, scale_dtype):
   assert 0 < amax == float(np.abs(_f32(clean_bwd[0])).max()), amax
 
 
-def test_fp8_rms_norm_layer_gradients_through_the_kernels(monkeypatch):
+def test_fp8_rms_norm_layer_gradients_through_the_kernels(pick_pallas):
   """coat_jax.nn's fp8_rms_norm under jit(grad) with the kernels picked (as
   on one Hopper GPU; interpreted here), with the layers' E8M0 scales: the
   reference's y and gradients."""
   from coat_jax.nn import norm  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
   x = _data((2, 5, 64), jnp.float32, seed=12)
   scale = jnp.linspace(0.5, 1.5, 64, dtype=jnp.float32)
   w = _data((2, 5, 64), jnp.float32, seed=13)
   loss = lambda x, s: jnp.sum(norm.fp8_rms_norm(x, s) * w)
   f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   ref = f(x, scale)
-  monkeypatch.setattr(_common, 'resolve_implementation',
-                      lambda impl, default=True: ('pallas', True))
+  pick_pallas()
   f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   assert 'rms_norm_fp8_bwd' in str(jax.make_jaxpr(f)(x, scale))
   (value, (dx, dscale)), (value_ref, (dx_ref, dscale_ref)) = f(x, scale), ref

@@ -159,18 +159,15 @@ def _reductions_of_size(jaxpr, size):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'reduce_max' and eqn.invars[0].aval.size == size:
       count += 1
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        sub = getattr(sub, 'jaxpr', sub)
-        if hasattr(sub, 'eqns'):
-          count += _reductions_of_size(sub, size)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _reductions_of_size(sub, size)
   return count
 
 
 @pytest.mark.parametrize('scan_layers,implementation', [
     (False, 'xla'), (True, 'xla'), (False, 'pallas')])
 def test_grad_amax_slots_replace_the_residual_gradients_amax_passes(
-    scan_layers, implementation, monkeypatch):
+    scan_layers, implementation, pick_pallas):
   """'coat' with 'tensor' scaling: the out and down projections take max |g|
   of their output gradient (the residual stream's) from the next norm's
   backward, through slots, instead of a pass over g of their own; the last
@@ -184,9 +181,7 @@ def test_grad_amax_slots_replace_the_residual_gradients_amax_passes(
   (cosine 0.998-0.999 on an H200): as close as unrolled and scanned layers
   (`test_unrolled_layers_equal_scanned`)."""
   if implementation == 'pallas':
-    from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(_common, 'resolve_implementation',
-                        lambda impl, default=True: ('pallas', True))
+    pick_pallas()
   cfg = cm.LlamaConfig.preset('tiny', num_layers=3, scan_layers=scan_layers)
   tokens = _tokens(cfg, 2, 32, jax.random.key(5))
   targets = jnp.roll(tokens, -1, axis=1)

@@ -89,14 +89,12 @@ def test_nan_propagates_to_dx():
   assert np.isnan(np.asarray(dx[1], np.float32)).all()
 
 
-def _with_input_case(implementation, monkeypatch):
+def _with_input_case(implementation, pick_pallas):
   """(x, scale, g_x, g_y) of a pre-norm block's norm, with the kernels
   picked if `implementation` is 'pallas' (as on one Hopper GPU;
   interpreted here)."""
   if implementation == 'pallas':
-    from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(_common, 'resolve_implementation',
-                        lambda impl, default=True: ('pallas', True))
+    pick_pallas()
   k = jax.random.split(_key(), 4)
   x = (3 * jax.random.normal(k[0], (2, 37, 256))).astype(jnp.bfloat16)
   scale = 1 + 0.1 * jax.random.normal(k[1], (256,))
@@ -107,11 +105,11 @@ def _with_input_case(implementation, monkeypatch):
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
 def test_with_input_adds_the_residual_gradient_before_rounding(
-    implementation, monkeypatch):
+    implementation, pick_pallas):
   """(x, norm(x)) with the residual stream's gradient added inside the
   norm's backward pass: the values of x, fp8_rms_norm(x); dscale the same;
   dx the separate sum's to one rounding, and closer to float32."""
-  x, scale, g_x, g_y = _with_input_case(implementation, monkeypatch)
+  x, scale, g_x, g_y = _with_input_case(implementation, pick_pallas)
 
   def grads(fn, x, scale):
     out, vjp = jax.vjp(fn, x, scale)
@@ -147,7 +145,7 @@ def test_with_input_adds_the_residual_gradient_before_rounding(
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
-def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, monkeypatch):
+def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, pick_pallas):
   """The slot's cotangent is max |dx| of the dx returned (the residual
   stream's gradient included), NaN if dx holds NaN; dx is the one without
   a slot. Here the jnp reference, or the kernel interpreted, runs as XLA
@@ -156,7 +154,7 @@ def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, monkeypatch):
   before rounding dx to bfloat16 (xla_allow_excess_precision: within half
   a step); the compiled kernel's max is exact
   (tests/kernels/rms_norm_fp8_test.py)."""
-  x, scale, g_x, g_y = _with_input_case(implementation, monkeypatch)
+  x, scale, g_x, g_y = _with_input_case(implementation, pick_pallas)
   slot = jnp.zeros((), jnp.float32)
   cases = [
       (lambda x, s: cnn.fp8_rms_norm_with_input(x, scale, grad_amax_slot=s),
