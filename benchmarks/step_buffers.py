@@ -32,6 +32,36 @@ _INSTR = re.compile(r'\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"'
                     r'(?:.*?stack_frame_id=(\d+))?')
 
 
+_F32_3D = re.compile(r'\s*(?:ROOT )?%\S+ = f32\[(\d+),(\d+),(\d+)\]')
+_ENTRY = re.compile(r'^ENTRY .*?^\}', re.M | re.S)
+
+
+def transposed_weight_stacks(hlo_text: str, num_layers: int) -> list[str]:
+  """Instructions of an optimized HLO module that make a float32 array of a
+  stacked weight's dims (L, a, b) (an entry parameter, L = num_layers) with
+  the layer axis inside: XLA laid a layer scan's weights out so for its
+  FP8 weight quantizer, a transposed copy of every stacked weight, until
+  the scan asked for them row-major
+  (`coat_jax.models.llama._row_major_weights`)."""
+  entry = _ENTRY.search(hlo_text)
+  stacks = set()
+  for line in (entry[0] if entry else '').splitlines():
+    m = _F32_3D.match(line)
+    if m and ' parameter(' in line and int(m[1]) == num_layers:
+      stacks.add(tuple(sorted((int(m[2]), int(m[3])))))
+  copies = []
+  for line in hlo_text.splitlines():
+    m = _F32_3D.match(line)
+    if not m or int(m[1]) == num_layers:
+      continue
+    dims = [int(d) for d in m.groups()]
+    if num_layers in dims:
+      dims.remove(num_layers)
+      if tuple(sorted(dims)) in stacks:
+        copies.append(line.strip()[:200])
+  return copies
+
+
 def _one(pattern):
   files = glob.glob(pattern)
   return files[0] if files else None

@@ -19,11 +19,12 @@ from coat_jax import models
 MODES = ('bf16', 'fp8_linear', 'coat')
 
 
-def compile_loss_step(cfg, precision, batch, seq, compiler_options=None):
+def compile_loss_step(cfg, precision, batch, seq, compiler_options=None,
+                      scaling='tensor'):
   """value_and_grad of lm_loss for a Llama of `cfg` on (batch, seq) tokens,
   compiled ahead of time from shapes only (nothing is allocated)."""
-  model = nnx.eval_shape(
-      lambda: models.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: models.Llama(
+      cfg, precision=precision, scaling=scaling, rngs=nnx.Rngs(0)))
   graph, state = nnx.split(model)
   step = jax.jit(jax.value_and_grad(
       lambda s, t, y: models.lm_loss(nnx.merge(graph, s), t, y)))

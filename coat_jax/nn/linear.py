@@ -176,8 +176,9 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
     # Quantized once per step: backward multiplies the same codes (local
     # shards under FSDP, gathered again there). XLA's quantizer: the
     # Pallas pass was slower on float32 weights in the 1b step (RESULTS.md
-    # "e2e-1b"), though it keeps XLA from making a transposed float32 copy
-    # of the stacked weights under the layer scan (remat full: 2.7 GiB).
+    # "e2e-1b"). Under a layer scan XLA would lay the stacked weights out
+    # transposed for it: the scan asks for them row-major
+    # (`coat_jax.models.llama._row_major_weights`).
     w_values, w_scale, w_t = tensor_quant.quantize_per_tensor(
         w, 'e4m3', amax=w_amax, transpose=True, implementation='xla')
     w_ts.append(_gathered(w_t, gather_axes, i, transposed=True))

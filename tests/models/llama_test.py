@@ -293,6 +293,37 @@ def test_scanned_bf16_layers_stack_bfloat16_gradients(precision):
   assert all(a.dtype == jnp.float32 for a in closed.out_avals)
 
 
+@pytest.mark.parametrize('precision', MODES)
+def test_scanned_fp8_layers_read_their_weights_row_major(precision):
+  """On one device the scan body asks for each float32 weight row-major
+  (`llama._row_major_weights`: XLA:GPU laid the stacked weights out
+  transposed for the FP8 weight quantizer, a copy of each before the loop;
+  tests/models/fp8_memory_test.py compiles it on the GPU); not in 'bf16'
+  mode, which quantizes no weight, nor over several devices, where the
+  partitioner would gather each constrained weight whole."""
+  cfg = cm.LlamaConfig.preset('tiny', num_layers=3, scan_layers=True)
+  model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
+  graph, state = nnx.split(model)
+  tokens = jnp.zeros((2, 64), jnp.int32)
+  step = jax.jit(jax.grad(
+      lambda s: cm.lm_loss(nnx.merge(graph, s), tokens, tokens)))
+
+  def constrained():
+    hlo = step.lower(state).as_text()
+    return sorted(line.split('(tensor<')[1].split('>')[0]
+                  for line in hlo.splitlines() if '@LayoutConstraint' in line)
+
+  kernels = {'x'.join(map(str, a.shape[1:])) + 'xf32'
+             for a in jax.tree.leaves(nnx.state(model.layers)) if a.ndim == 3}
+  assert len(kernels) == 4  # q and o, k and v, gate and up, down
+  # Every weight (in forward and where backward recomputes), nothing else.
+  got = constrained()
+  assert set(got) == (set() if precision == 'bf16' else kernels), got
+  if len(jax.devices()) > 1:  # CPU tests: 8 devices
+    with jax.set_mesh(jax.make_mesh((len(jax.devices()),), ('fsdp',))):
+      assert constrained() == []
+
+
 def test_param_dtypes_and_logical_axes():
   cfg = cm.LlamaConfig.preset('tiny')
   model = cm.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
