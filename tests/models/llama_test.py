@@ -223,6 +223,23 @@ def test_layer_with_a_slot_returns_the_next_one():
     bf16(x, cos, sin, grad_amax_slot=jnp.zeros((), jnp.float32))
 
 
+def _num_scan_consts(eqn):
+  """How many of a scan equation's inputs are constants (consts, then the
+  carry, then the scanned xs). jax 0.11 dropped the num_consts param: from
+  the body's avals, an x has the length axis in front, a carry (like a
+  const) does not, and each carry comes out again as the first outputs."""
+  if 'num_consts' in eqn.params:
+    return eqn.params['num_consts']
+  body = eqn.params['jaxpr']
+  extensive = lambda outer, inner: outer.shape == (
+      eqn.params['length'],) + inner.shape
+  num_xs = sum(extensive(v.aval, a) for v, a in zip(eqn.invars,
+                                                    body.in_avals))
+  num_carry = sum(not extensive(v.aval, a) for v, a in zip(eqn.outvars,
+                                                           body.out_avals))
+  return len(eqn.invars) - num_xs - num_carry
+
+
 def _hoisted_scan_constants(jaxpr, length):
   """Avals of the constants of every scan of `length` steps that an equation
   computes (not a param or input): what jax's scan autodiff hoists out of
@@ -231,7 +248,7 @@ def _hoisted_scan_constants(jaxpr, length):
   made = {o for eqn in jaxpr.eqns for o in eqn.outvars}
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'scan' and eqn.params['length'] == length:
-      consts = eqn.invars[:eqn.params['num_consts']]
+      consts = eqn.invars[:_num_scan_consts(eqn)]
       found += [v.aval for v in consts if v in made]
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       found += _hoisted_scan_constants(sub, length)
