@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.residuals import after_grads
+from coat_jax.nn.residuals import reduced_now
 from coat_jax.nn.residuals import with_residuals
 from coat_jax.quant import QuantizedArray
 from pallas_kernels.rms_norm_fp8 import api as rms_norm_fp8_api
@@ -90,7 +91,7 @@ def _fp8_rms_norm_bwd(eps, residuals, g, residual_grad=None):
   dx, dscale, dx_amax = rms_norm_fp8_api.rms_norm_fp8_bwd(
       xq.values, xq.scale, rstd, scale, g, residual_grad=residual_grad,
       group_size=xq.group_size)
-  return dx, dx_amax, dscale.astype(scale.dtype)
+  return reduced_now((dx, dx_amax, dscale.astype(scale.dtype)))
 
 
 _fp8_rms_norm.defvjp(_fp8_rms_norm_fwd, _fp8_rms_norm_bwd)

@@ -129,3 +129,27 @@ def test_per_layer_gradients_step_like_the_stacked_one(implementation):
   if implementation == 'xla':  # no layer written into the stack
     text = str(jax.make_jaxpr(apply)(per_layer, state, params))
     assert 'dynamic_update_slice' not in text and 'scatter' not in text
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_xla_steps_one_leaf_after_another(implementation):
+  """XLA's version takes each leaf's step behind one optimization barrier
+  that also holds the previous leaf's results: no moment is decoded before
+  its gradient exists and one leaf's temporaries live at a time (Llama-2-7B,
+  FSDP on 4 H200s, compiled: the step's temp 13.24 -> 12.68 GiB per
+  device, XLA had decoded moments into byte masks during backward). The
+  kernel steps in place and needs none. Same results either way."""
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  apply = coat_jax.optim.fused_coat_adamw(**kw, implementation=implementation)
+  params = _params()
+  state = coat_jax.coat_adamw(**kw).init(params)
+  grads = _grads(params, 0)
+  text = str(jax.make_jaxpr(apply)(grads, state, params))
+  assert text.count('optimization_barrier') == (
+      len(params) if implementation == 'xla' else 0)
+  want = jax.jit(coat_jax.optim.fused_coat_adamw(
+      **kw, implementation='pallas'))(grads, state, params)
+  got = jax.jit(apply)(grads, state, params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
