@@ -22,7 +22,9 @@ CPU), with mesh data=1, fsdp=n, tensor=1 and NCCL_NVLS_ENABLE=0. Parts
 A train point records tokens/s per device (median step after >= 2 s of
 warm-up), peak memory per device (max over devices of memory_stats(),
 leaving out device 0, which also held the unsharded params at their
-initialization; all devices' peaks are in the record),
+initialization; all devices' peaks are in the record; the process's peak,
+so it includes the initialization), the compiled step's own bytes per
+device (`coat_jax.training.memory.breakdown`: state, temporaries, batch),
 device bytes in use after placing the state, the state's sharding (bytes
 per device against total / n, and the replicated leaves) and the compiled
 step's collectives by kind and dtype (`collectives`, also used by
@@ -212,6 +214,7 @@ def run_train_point(p: dict) -> dict:
   from benchmarks import step_profile  # noqa: PLC0415
   from coat_jax import training  # noqa: PLC0415
   from coat_jax.training import sharding  # noqa: PLC0415
+  from coat_jax.training import memory  # noqa: PLC0415
   from coat_jax.training import trainer  # noqa: PLC0415
 
   devices = _devices(p)
@@ -232,6 +235,7 @@ def run_train_point(p: dict) -> dict:
     start = time.perf_counter()
     compiled = setup.train_step.lower(state, *batch).compile()
     compile_s = time.perf_counter() - start
+    step_bytes = memory.breakdown(setup, compiled, limit=0).total
     hlo = summarize(collectives(compiled.as_text()))
     seconds, _, state = step_profile.step_times(compiled, state, batch,
                                                 p['steps'])
@@ -250,7 +254,7 @@ def run_train_point(p: dict) -> dict:
       * 1e3, tokens_per_s=tokens_per_s / n, tokens_per_s_total=tokens_per_s,
       model_tflops=flops / seconds / 1e12 / n,
       peak_bytes=max(step_peaks) if all(step_peaks) else None,
-      peak_bytes_per_device=peaks,
+      peak_bytes_per_device=peaks, step_bytes=step_bytes,
       bytes_in_use_after_init=max(in_use) if all(in_use) else None,
       compile_s=compile_s, loss=loss, sharding=placed, collectives=hlo)
 
@@ -477,15 +481,16 @@ def _ratio(a, b):
 
 def _train_rows(rs: list[dict], base_name: str = 'bf16') -> list[str]:
   rows = ['| part | run | preset | devices | batch | tokens/s/device |'
-          ' vs bf16 | peak GiB/device | vs bf16 | step ms | compile s |',
-          '|---' * 11 + '|']
+          ' vs bf16 | peak GiB/device | vs bf16 | compiled step GiB/device |'
+          ' vs bf16 | step ms | compile s |',
+          '|---' * 13 + '|']
   base = {(r['part'], r['preset'], r['devices'], r['batch']): r for r in rs
           if r['name'] == base_name and r['status'] == 'ok'}
   for r in rs:
     if r['status'] != 'ok':
       rows.append(f'| {r["part"]} | {r["name"]} | {r["preset"]} |'
                   f' {r["devices"]} | {r["batch"]} | {r["status"]} |'
-                  + ' |' * 5)
+                  + ' |' * 7)
       continue
     b = base.get((r['part'], r['preset'], r['devices'], r['batch']), {})
     rows.append(
@@ -494,6 +499,8 @@ def _train_rows(rs: list[dict], base_name: str = 'bf16') -> list[str]:
         f' {_ratio(r["tokens_per_s"], b.get("tokens_per_s"))} |'
         f' {_gib(r["peak_bytes"])} |'
         f' {_ratio(b.get("peak_bytes"), r["peak_bytes"])} |'
+        f' {_gib(r.get("step_bytes"))} |'
+        f' {_ratio(b.get("step_bytes"), r.get("step_bytes"))} |'
         f' {r["step_ms"]:.1f} | {r["compile_s"]:.0f} |')
   return rows
 
