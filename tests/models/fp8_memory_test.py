@@ -122,6 +122,17 @@ def test_out_projection_reuses_flash_attention_output(monkeypatch):
       np.testing.assert_array_equal(a, b)
 
 
+def _pallas_kernels_quantize(monkeypatch):
+  """Makes the layers pick their (interpreted) Pallas kernels, as on one
+  Hopper GPU."""
+  from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
+  resolve = _common.resolve_implementation
+  monkeypatch.setattr(
+      _common, 'resolve_implementation',
+      lambda impl, default=True: resolve(impl, default) if impl == 'xla'
+      else ('pallas', True))
+
+
 def test_forward_barrier_only_where_xla_quantizes(monkeypatch):
   """Where XLA quantizes (here: CPU; under FSDP on GPUs), each FP8 forward
   rule returns its outputs and FP8 residuals through one optimization
@@ -129,7 +140,6 @@ def test_forward_barrier_only_where_xla_quantizes(monkeypatch):
   7.54 GiB per device); where the Pallas kernels quantize (one Hopper GPU)
   it does not (there it cost 1.6% of the step)."""
   from coat_jax.nn import residuals  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
   x = jnp.ones((32, 64), jnp.bfloat16)
   w = jnp.ones((64, 48), jnp.float32)
   mlp = cnn.CoatMLP(64, 96, rngs=nnx.Rngs(0))
@@ -144,11 +154,7 @@ def test_forward_barrier_only_where_xla_quantizes(monkeypatch):
   assert residuals.xla_quantizes()
   # fp8_dense; gate/up + SwiGLU + down; the norm.
   assert barriers() == (1, 3, 1)
-  resolve = _common.resolve_implementation
-  monkeypatch.setattr(
-      _common, 'resolve_implementation',
-      lambda impl, default=True: resolve(impl, default) if impl == 'xla'
-      else ('pallas', True))
+  _pallas_kernels_quantize(monkeypatch)
   assert not residuals.xla_quantizes()
   assert barriers() == (0, 0, 0)
 
@@ -162,7 +168,6 @@ def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch):
   where the Pallas kernel sums in its own pass. The gradients are the
   same."""
   from coat_jax.nn import residuals  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
   from coat_jax.nn import norm as norm_lib  # pylint: disable=g-import-not-at-top
   graph, state = nnx.split(cnn.CoatRMSNorm(64, rngs=nnx.Rngs(0)))
   x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
@@ -189,11 +194,7 @@ def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch):
     assert np.isfinite(b).all() and np.abs(b).max() > 0
     np.testing.assert_array_equal(a, b)
   monkeypatch.undo()
-  resolve = _common.resolve_implementation
-  monkeypatch.setattr(
-      _common, 'resolve_implementation',
-      lambda impl, default=True: resolve(impl, default) if impl == 'xla'
-      else ('pallas', True))
+  _pallas_kernels_quantize(monkeypatch)
   assert not residuals.xla_quantizes()
   assert barriers() == 1
 
