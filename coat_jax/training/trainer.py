@@ -187,14 +187,15 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   def first_params():
     """Placed params of a new run: random, or model.init_from's weights."""
     if config.model.init_from is None:
-      # Made on one device, then each device sent its shard: under the
+      # Made on one device, then each device sent its slice: under the
       # caller's jax.set_mesh, eager arrays are replicated on every device
       # of the mesh (Llama-2-7B, FSDP on 4 H200s: each device held all 25.1
       # GiB of float32 params at init, more than its 6.3 GiB shard and the
-      # step's 22 GiB together).
+      # step's 22 GiB together). Not jax.device_put, which with several
+      # processes gathers every array to the hosts to check it is the same.
       with jax.set_mesh(None):
         params = model_params()
-      return jax.device_put(params, state_shardings['params'])
+      return jax.tree.map(device_batch, params, state_shardings['params'])
     return hf.load_hf_params(config.model.init_from,
                              abstract_state['params'],
                              state_shardings['params'])
@@ -321,8 +322,9 @@ def _key(k: Any) -> Any:
   return getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))
 
 
-def device_batch(batch: np.ndarray, sharding_: jax.sharding.Sharding):
-  """A global array from a host batch every process computes identically."""
+def device_batch(batch: Any, sharding_: jax.sharding.Sharding):
+  """A global array from an array (on the host or one device) that every
+  process computes identically: each device receives only its slice."""
   return jax.make_array_from_callback(batch.shape, sharding_,
                                       lambda idx: batch[idx])
 

@@ -16,6 +16,7 @@ from benchmarks import fsdp as fsdp_bench
 from coat_jax import training
 from coat_jax.nn import fsdp
 from coat_jax.training import sharding
+from coat_jax.training import trainer
 
 # hidden 128 / 8 devices = 16 per shard: whole groups of 16 on every axis,
 # so no axis is dropped from the FSDP sharding.
@@ -67,13 +68,13 @@ def test_new_params_are_made_on_one_device_then_sharded(tiny_config,
   its 6.3 GiB shard; 13B: 48.5 GiB)."""
   setup = training.build(_config(tiny_config, 8), jax.devices())
   placed = []
-  device_put = jax.device_put
+  device_batch = trainer.device_batch
 
-  def spy(x, *args, **kwargs):
-    placed.extend(len(a.sharding.device_set) for a in jax.tree.leaves(x))
-    return device_put(x, *args, **kwargs)
+  def spy(x, sharding_):
+    placed.append(len(x.sharding.device_set))
+    return device_batch(x, sharding_)
 
-  monkeypatch.setattr(jax, 'device_put', spy)
+  monkeypatch.setattr(trainer, 'device_batch', spy)
   with jax.set_mesh(setup.mesh):
     state = setup.init_state()
   assert placed and set(placed) == {1}, collections.Counter(placed)
