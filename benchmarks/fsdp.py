@@ -213,8 +213,8 @@ def run_train_point(p: dict) -> dict:
 
   from benchmarks import step_profile  # noqa: PLC0415
   from coat_jax import training  # noqa: PLC0415
-  from coat_jax.training import sharding  # noqa: PLC0415
   from coat_jax.training import memory  # noqa: PLC0415
+  from coat_jax.training import sharding  # noqa: PLC0415
   from coat_jax.training import trainer  # noqa: PLC0415
 
   devices = _devices(p)

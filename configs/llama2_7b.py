@@ -8,8 +8,8 @@ XLA_PYTHON_CLIENT_MEM_FRACTION (0.95) allows (2026-11-26; e2e.py: 21.1K,
 batch 12 (20.3K, 108.6 GiB) or 8 (19.1K, 90.6 GiB); remat 'minimal' at
 batch 8 18.7K; scanned 17.4K; remat 'full', scanned, at batch 32 17.3K,
 89.5 GiB (benchmarks/RESULTS.md "e2e-7b"). Longer sequences (4 x 16384)
-need remat 'full' (scanned: 11.7K, 89.6 GiB). `python train.py --config configs/llama2_7b.py --estimate` prints
-the memory plan without training.
+need remat 'full' (scanned: 11.7K, 89.6 GiB). `python train.py --config
+configs/llama2_7b.py --estimate` prints the memory plan without training.
 """
 
 from coat_jax.training import Config
