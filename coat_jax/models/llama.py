@@ -9,6 +9,7 @@ head and loss are BF16 with float32 statistics; params are float32.
 
 from collections.abc import Sequence
 import dataclasses
+import functools
 from typing import Any
 
 from flax import nnx
@@ -463,15 +464,18 @@ class Llama(nnx.Module):
     """The stacked layers applied to the stream (x, slot or None) under
     `jax.lax.scan`.
 
-    In 'bf16' mode each layer param is used only cast to bf16, so its
-    gradient is bf16-valued, yet scan's backward would stack it in float32:
-    L x params x 4 bytes, allocated whole while every residual is live (the
-    train step's peak; unrolled layers hold bf16 weights there). So each
-    param enters the scan twice: float32 without gradient (read and cast per
-    layer, as before) and as a bf16 copy that only carries the gradient
-    (`_cast_param` never reads its value; XLA drops it). Backward then
-    stacks bf16 gradients, cast to float32 after the loop: same bits, half
-    the stack.
+    Scan's backward stacks every layer's param gradients (L x params),
+    allocated whole while every residual is live (the train step's peak;
+    unrolled layers hold a few layers' gradients there). So each param
+    enters the scan twice: float32 without gradient (read per layer, as
+    before) and as a bf16 copy that only carries the gradient (`_cast_param`
+    never reads its value; XLA drops it). Backward then stacks bf16
+    gradients, cast to float32 after the loop: half the stack. In 'bf16'
+    mode they are bf16-valued anyway (same bits). In the FP8 modes the
+    wgrads are rounded to bf16 (8 bits of mantissa, as a BF16 model's; the
+    FP8 moments keep 3): 1b, batch 8, compiled for an H200, temp 17.30 ->
+    15.50 GiB with remat 'minimal', 6.45 -> 4.65 with 'full' (unrolled:
+    13.86, 6.41; benchmarks/RESULTS.md "gpu-compile").
 
     The out projections save their own FP8 copy of the attention output:
     saving flash attention's o instead stacks o a second time under scan
@@ -480,12 +484,14 @@ class Llama(nnx.Module):
     In the FP8 modes each layer reads its weights row-major on one device
     (`_row_major_weights`).
     """
+    xs = (jax.lax.stop_gradient(stacked),
+          jax.tree.map(lambda a: a.astype(self.dtype), stacked))
     if self.precision == 'bf16':
-      xs = (jax.lax.stop_gradient(stacked),
-            jax.tree.map(lambda a: a.astype(self.dtype), stacked))
-      params = lambda xs: jax.tree.map(_cast_param, *xs)
+      params = lambda xs: jax.tree.map(
+          lambda w, c: _cast_param(w, c, c.dtype), *xs)
     else:
-      xs, params = stacked, _row_major_weights
+      params = lambda xs: _row_major_weights(jax.tree.map(
+          lambda w, c: _cast_param(w, c, w.dtype), *xs))
     run = _apply_layer(cos, sin, reuse_attention_output=False)
     apply_layer = remat_lib.apply(
         lambda xs, stream: run(nnx.merge(graphdef, params(xs)), stream),
@@ -559,17 +565,18 @@ def _row_major_weights(params):
   return jax.tree.map(row_major, params)
 
 
-@jax.custom_jvp
-def _cast_param(w: jax.Array, carrier: jax.Array) -> jax.Array:
-  """w cast to carrier's dtype; the tangent is carrier's (w's is dropped),
-  and carrier's value is never read."""
-  return w.astype(carrier.dtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _cast_param(w: jax.Array, carrier: jax.Array, dtype) -> jax.Array:
+  """w cast to dtype; the tangent is carrier's, cast to dtype (w's is
+  dropped), and carrier's value is never read."""
+  del carrier
+  return w.astype(dtype)
 
 
 @_cast_param.defjvp
-def _cast_param_jvp(primals, tangents):
-  w, carrier = primals
-  return w.astype(carrier.dtype), tangents[1]
+def _cast_param_jvp(dtype, primals, tangents):
+  w, _ = primals
+  return w.astype(dtype), tangents[1].astype(dtype)
 
 
 def _check_tokens(tokens: Any, config: LlamaConfig) -> int:

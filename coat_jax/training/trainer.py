@@ -335,8 +335,12 @@ def state_is_finite(state: Any) -> bool:
 
 
 def _peak_memory() -> int | None:
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return stats.get('peak_bytes_in_use')
+  """The largest peak_bytes_in_use of this process's devices (None where the
+  backend reports none, e.g. CPU)."""
+  peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use')
+           for d in jax.local_devices()]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) if peaks else None
 
 
 def restore_state(setup: Setup, checkpointer: Checkpointer, step: int):

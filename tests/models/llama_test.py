@@ -287,12 +287,11 @@ def _scan_outputs(jaxpr, length):
   return found
 
 
-@pytest.mark.parametrize('precision', ('bf16', 'coat'))
-def test_scanned_bf16_layers_stack_bfloat16_gradients(precision):
-  """In 'bf16' mode the layer params are used only cast to bf16, so the
-  backward scan stacks their (bf16-valued) gradients in bf16, half the
-  float32 stack, and casts them to float32 after the loop; 'coat' mode's FP8
-  wgrads are float32, stacked as such."""
+@pytest.mark.parametrize('precision', MODES)
+def test_scanned_layers_stack_bfloat16_gradients(precision):
+  """The backward scan stacks the layer params' gradients in bf16, half the
+  float32 stack, and casts them to float32 after the loop ('bf16' mode's
+  are bf16-valued; the FP8 modes' wgrads are rounded to bf16)."""
   cfg = cm.LlamaConfig.preset('tiny', num_layers=3, scan_layers=True)
   model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
@@ -305,8 +304,7 @@ def test_scanned_bf16_layers_stack_bfloat16_gradients(precision):
              if a.shape in shapes]
   # One stacked gradient per layer param (the forward returns none).
   assert sorted(a.shape for a in stacked) == sorted(a.shape for a in layers)
-  want = jnp.bfloat16 if precision == 'bf16' else jnp.float32
-  assert all(a.dtype == want for a in stacked), stacked
+  assert all(a.dtype == jnp.bfloat16 for a in stacked), stacked
   assert all(a.dtype == jnp.float32 for a in closed.out_avals)
 
 

@@ -118,7 +118,7 @@ def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
   # test passes on CPU only because the CPU inflates the unrolled step.
   # Here the gradients are outputs of the step; in the train step they are
   # temporaries, and there bf16 mode's scan stacks the layer gradients in
-  # bf16 (llama_test.test_scanned_bf16_layers_stack_bfloat16_gradients):
+  # bf16 (llama_test.test_scanned_layers_stack_bfloat16_gradients):
   # measured with barriers kept (125m, 4 layers, batch 4 x 1024), the
   # scanned bf16 train step's temp went 1946.9 -> 1892.9 MiB (-L x params x
   # 2 bytes), unrolled 1534.9 either way. CPU stacks bf16 residuals as

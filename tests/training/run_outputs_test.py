@@ -128,6 +128,26 @@ def test_peak_memory_goes_to_tensorboard_in_gib(tmp_path):
       {'step': 5, 'loss': 1.5, 'peak_memory_bytes': 3 * 2**30}]
 
 
+def test_peak_memory_is_the_largest_of_the_local_devices(monkeypatch):
+  import jax  # noqa: PLC0415
+  from coat_jax.training import trainer  # noqa: PLC0415
+
+  class Device:
+    def __init__(self, stats):
+      self.stats = stats
+
+    def memory_stats(self):
+      return self.stats
+
+  # Sharded, any device may peak highest; CPU devices report no stats.
+  devices = [Device({'peak_bytes_in_use': 5}), Device({'peak_bytes_in_use': 9}),
+             Device(None)]
+  monkeypatch.setattr(jax, 'local_devices', lambda: devices)
+  assert trainer._peak_memory() == 9
+  monkeypatch.setattr(jax, 'local_devices', lambda: [Device(None)])
+  assert trainer._peak_memory() is None
+
+
 def test_tensorboard_without_tensorboardx_says_what_to_install(
     tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, 'tensorboardX', None)
