@@ -6,9 +6,9 @@ and a checkpoint, peak 130.3 GiB of the 132.8 that train.py's default
 XLA_PYTHON_CLIENT_MEM_FRACTION (0.95) allows (2026-11-26; e2e.py: 21.1K,
 1.56x a plain BF16 Llama at its largest batch). Less headroom wanted:
 batch 12 (20.3K, 108.6 GiB) or 8 (19.1K, 90.6 GiB); remat 'minimal' at
-batch 8 18.7K; scanned 17.4K; remat 'full', scanned, at batch 32 17.3K,
-89.5 GiB (benchmarks/RESULTS.md "e2e-7b"). Longer sequences (4 x 16384)
-need remat 'full' (scanned: 11.7K, 89.6 GiB). `python train.py --config
+batch 8 18.7K; scanned 17.4K; remat 'full', scanned, at batch 32 17.2K,
+77.5 GiB (benchmarks/RESULTS.md "e2e-7b"). Longer sequences (4 x 16384)
+need remat 'full' (scanned: 11.8K, 77.5 GiB). `python train.py --config
 configs/llama2_7b.py --estimate` prints the memory plan without training.
 """
 
