@@ -467,9 +467,9 @@ class Llama(nnx.Module):
     Scan's backward stacks every layer's param gradients (L x params),
     allocated whole while every residual is live (the train step's peak;
     unrolled layers hold a few layers' gradients there). So each param
-    enters the scan twice: float32 without gradient (read per layer, as
-    before) and as a bf16 copy that only carries the gradient (`_cast_param`
-    never reads its value; XLA drops it). Backward then stacks bf16
+    enters the scan twice: float32 without gradient (what each layer reads)
+    and as a bf16 copy that only carries the gradient (`_cast_param` never
+    reads its value; XLA drops it). Backward then stacks bf16
     gradients, cast to float32 after the loop: half the stack. In 'bf16'
     mode they are bf16-valued anyway (same bits). In the FP8 modes the
     wgrads are rounded to bf16 (8 bits of mantissa, as a BF16 model's; the

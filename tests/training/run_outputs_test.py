@@ -10,6 +10,7 @@ import shlex
 import struct
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from coat_jax import plot
 from coat_jax.models import sampling
 from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import tokenizer as tokenizer_lib
+from coat_jax.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 # The test extra installs it; the GPU machines may lack it.
@@ -129,9 +131,6 @@ def test_peak_memory_goes_to_tensorboard_in_gib(tmp_path):
 
 
 def test_peak_memory_is_the_largest_of_the_local_devices(monkeypatch):
-  import jax  # noqa: PLC0415
-  from coat_jax.training import trainer  # noqa: PLC0415
-
   class Device:
     def __init__(self, stats):
       self.stats = stats
@@ -140,8 +139,8 @@ def test_peak_memory_is_the_largest_of_the_local_devices(monkeypatch):
       return self.stats
 
   # Sharded, any device may peak highest; CPU devices report no stats.
-  devices = [Device({'peak_bytes_in_use': 5}), Device({'peak_bytes_in_use': 9}),
-             Device(None)]
+  devices = [Device({'peak_bytes_in_use': 5}),
+             Device({'peak_bytes_in_use': 9}), Device(None)]
   monkeypatch.setattr(jax, 'local_devices', lambda: devices)
   assert trainer._peak_memory() == 9
   monkeypatch.setattr(jax, 'local_devices', lambda: [Device(None)])
