@@ -135,10 +135,11 @@ def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
       f'{config.train.batch_size}, model.remat={config.model.remat!r},'
       f' model.precision={config.model.precision!r}). Options: a smaller'
       ' train.batch_size (or more train.microbatches); a remat policy that'
-      f' keeps less (model.remat one of {others}; \'full\' keeps least);'
-      ' more devices, or mesh.fsdp > 1 to shard params and optimizer state;'
-      ' or raise XLA_PYTHON_CLIENT_MEM_FRACTION. `python train.py'
-      ' --find-max-batch ...` finds the largest batch per policy.')
+      f' keeps less (model.remat one of {others}; \'full\' keeps least,'
+      ' with model.scan_layers=true less still); more devices, or'
+      ' mesh.fsdp > 1 to shard params and optimizer state; or raise'
+      ' XLA_PYTHON_CLIENT_MEM_FRACTION. `python train.py --find-max-batch'
+      ' ...` finds the largest batch per layer layout and policy.')
 
 
 def batch_unit(config: config_lib.Config, num_devices: int) -> int:

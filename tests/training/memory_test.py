@@ -119,8 +119,17 @@ def test_find_max_batch_from_the_command_line(run_main):
   code, out, _ = run_main(['--find-max-batch', '--memory-limit-gib',
                            str(gib), '--policies', 'full'] + base)
   assert code == 0
-  (line,) = [s for s in out.splitlines() if 'model.remat=full' in s]
-  assert line.endswith('train.batch_size=8'), out
+  # The configured (unrolled) layout, then the scanned one.
+  lines = [s.strip() for s in out.splitlines() if 'model.remat=full' in s]
+  assert [s.split(':')[0] for s in lines] == [
+      'model.scan_layers=false model.remat=full',
+      'model.scan_layers=true model.remat=full'], out
+  assert lines[0].endswith('train.batch_size=8'), out
+  scanned = training.apply_overrides(config, ['model.scan_layers=true'])
+  fits = lambda b: memory.estimate(training.apply_overrides(
+      scanned, [f'train.batch_size={b}'])).total <= gib * memory.GIB
+  batch = int(lines[1].rsplit('=', 1)[1])  # the largest multiple of 8
+  assert fits(batch) and not fits(batch + 8), (batch, out)
   code, _, err = run_main(['--find-max-batch', '--memory-limit-gib', '1',
                            '--policies', 'fastest'] + base)
   assert code == 2 and "--policies='fastest' is not a remat policy" in err
