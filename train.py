@@ -157,10 +157,17 @@ def _find_max_batch(config, limit, policies) -> int:
   configured = trainer.llama_config(config.model).scan_layers
   for scan in (configured, not configured):
     config.model.scan_layers = scan
+    layout = f'model.scan_layers={str(scan).lower()}'
     for name in names:
       config.model.remat = name
-      batch = memory.find_max_batch(config, limit)
-      print(f'  model.scan_layers={str(scan).lower()} model.remat={name}: '
+      try:
+        batch = memory.find_max_batch(config, limit)
+      except ValueError as e:  # e.g. unrolled layers under deterministic ops
+        if scan == configured:
+          raise
+        print(f'  {layout}: cannot run here: {e}', flush=True)
+        break
+      print(f'  {layout} model.remat={name}: '
             + (f'train.batch_size={batch}' if batch else 'does not fit at'
                f' the smallest batch'
                f' ({memory.batch_unit(config, _num_devices())})'),

@@ -135,6 +135,25 @@ def test_find_max_batch_from_the_command_line(run_main):
   assert code == 2 and "--policies='fastest' is not a remat policy" in err
 
 
+def test_find_max_batch_says_when_the_other_layout_cannot_run(
+    run_main, monkeypatch):
+  def find_max_batch(config, limit):
+    if not config.model.scan_layers:  # as under deterministic GPU ops
+      raise ValueError('set model.scan_layers=true')
+    return 24
+  monkeypatch.setattr(memory, 'find_max_batch', find_max_batch)
+  code, out, _ = run_main(['--find-max-batch', '--memory-limit-gib', '1',
+                           '--policies', 'full,none', '--set',
+                           'model.scan_layers=true'])
+  assert code == 0
+  assert [s.strip() for s in out.splitlines()[-3:]] == [
+      'model.scan_layers=true model.remat=full: train.batch_size=24',
+      'model.scan_layers=true model.remat=none: train.batch_size=24',
+      'model.scan_layers=false: cannot run here: set model.scan_layers=true']
+  code, _, err = run_main(['--find-max-batch', '--memory-limit-gib', '1'])
+  assert code == 2 and 'set model.scan_layers=true' in err
+
+
 def test_remat_setting_and_its_errors(run_main):
   config = training.apply_overrides(training.Config(), [
       'model.remat=full', 'data.seq_len=16384', 'model.max_seq_len=16384'])
