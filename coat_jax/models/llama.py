@@ -469,9 +469,9 @@ class Llama(nnx.Module):
     unrolled layers hold a few layers' gradients there). So each param
     enters the scan twice: float32 without gradient (what each layer reads)
     and as a bf16 copy that only carries the gradient (`_cast_param` never
-    reads its value; XLA drops it). Backward then stacks bf16
-    gradients, cast to float32 after the loop: half the stack. In 'bf16'
-    mode they are bf16-valued anyway (same bits). In the FP8 modes the
+    reads its value; XLA drops it). Backward then stacks bf16 gradients,
+    cast to float32 after the loop: half the stack. In 'bf16' mode they
+    are bf16-valued anyway (same bits). In the FP8 modes the
     wgrads are rounded to bf16 (8 bits of mantissa, as a BF16 model's; the
     FP8 moments keep 3): 1b, batch 8, compiled for an H200, temp 17.30 ->
     15.50 GiB with remat 'minimal', 6.45 -> 4.65 with 'full' (unrolled:
