@@ -324,9 +324,17 @@ def _key(k: Any) -> Any:
 
 def device_batch(batch: Any, sharding_: jax.sharding.Sharding):
   """A global array from an array (on the host or one device) that every
-  process computes identically: each device receives only its slice."""
-  return jax.make_array_from_callback(batch.shape, sharding_,
-                                      lambda idx: batch[idx])
+  process computes identically: each device receives only its slice.
+
+  The slices are cut where the array is: under a caller's jax.set_mesh an
+  eager slice of a device array is replicated on every device of the mesh,
+  with the whole array copied there first (Llama-2-7B, FSDP on 4 H200s:
+  devices 1-3 held twice the float32 layer stack at init, 47.8 GiB).
+  """
+  def slice_of(idx):
+    with jax.set_mesh(None):
+      return batch[idx]
+  return jax.make_array_from_callback(batch.shape, sharding_, slice_of)
 
 
 def state_is_finite(state: Any) -> bool:
