@@ -20,10 +20,9 @@ CPU), with mesh data=1, fsdp=n, tensor=1 and NCCL_NVLS_ENABLE=0. Parts
   big      --big-preset (Llama-2-13B dimensions) bf16 and coat on N >= 4
 
 A train point records tokens/s per device (median step after >= 2 s of
-warm-up), peak memory per device (max over devices of memory_stats(),
-leaving out device 0, which also held the unsharded params at their
-initialization; all devices' peaks are in the record; the process's peak,
-so it includes the initialization), the compiled step's own bytes per
+warm-up), peak memory per device (max over devices of memory_stats()'s
+peak_bytes_in_use, the process's: it includes the initialization; each
+device's is in the record), the compiled step's own bytes per
 device (`coat_jax.training.memory.breakdown`: state, temporaries, batch),
 device bytes in use after placing the state, the state's sharding (bytes
 per device against total / n, and the replicated leaves) and the compiled
@@ -228,7 +227,9 @@ def run_train_point(p: dict) -> dict:
   batch = [trainer.device_batch(x, batch_sharding)
            for x in (tokens[:, :-1], tokens[:, 1:])]
   with jax.set_mesh(setup.mesh):
+    start = time.perf_counter()
     state = jax.block_until_ready(setup.init_state())
+    init_s = time.perf_counter() - start
     in_use = [(d.memory_stats() or {}).get('bytes_in_use')
               for d in devices]
     placed = {k: sharded_bytes(state[k]) for k in ('params', 'opt_state')}
@@ -244,19 +245,17 @@ def run_train_point(p: dict) -> dict:
   peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use')
            for d in devices]
   n = len(devices)
-  # Device 0 also held the whole float32 params while they were made
-  # (eagerly, then placed): its peak may be that, not the step's.
-  step_peaks = peaks[1:] if n > 1 else peaks
   tokens_per_s = p['batch'] * p['seq'] / seconds
   flops = e2e.model_flops(cfg, p['batch'], p['seq'])
   return dict(
       device=devices[0].device_kind, jax=jax.__version__, step_ms=seconds
       * 1e3, tokens_per_s=tokens_per_s / n, tokens_per_s_total=tokens_per_s,
       model_tflops=flops / seconds / 1e12 / n,
-      peak_bytes=max(step_peaks) if all(step_peaks) else None,
+      peak_bytes=max(peaks) if all(peaks) else None,
       peak_bytes_per_device=peaks, step_bytes=step_bytes,
       bytes_in_use_after_init=max(in_use) if all(in_use) else None,
-      compile_s=compile_s, loss=loss, sharding=placed, collectives=hlo)
+      compile_s=compile_s, init_s=init_s, loss=loss, sharding=placed,
+      collectives=hlo)
 
 
 def run_restore_point(p: dict) -> dict:
@@ -479,18 +478,22 @@ def _ratio(a, b):
   return f'{a / b:.2f}x' if a and b else ''
 
 
+def _seconds(x):
+  return f'{x:.1f}' if x is not None else ''
+
+
 def _train_rows(rs: list[dict], base_name: str = 'bf16') -> list[str]:
   rows = ['| part | run | preset | devices | batch | tokens/s/device |'
           ' vs bf16 | peak GiB/device | vs bf16 | compiled step GiB/device |'
-          ' vs bf16 | step ms | compile s |',
-          '|---' * 13 + '|']
+          ' vs bf16 | step ms | compile s | init s |',
+          '|---' * 14 + '|']
   base = {(r['part'], r['preset'], r['devices'], r['batch']): r for r in rs
           if r['name'] == base_name and r['status'] == 'ok'}
   for r in rs:
     if r['status'] != 'ok':
       rows.append(f'| {r["part"]} | {r["name"]} | {r["preset"]} |'
                   f' {r["devices"]} | {r["batch"]} | {r["status"]} |'
-                  + ' |' * 7)
+                  + ' |' * 8)
       continue
     b = base.get((r['part'], r['preset'], r['devices'], r['batch']), {})
     rows.append(
@@ -501,7 +504,8 @@ def _train_rows(rs: list[dict], base_name: str = 'bf16') -> list[str]:
         f' {_ratio(b.get("peak_bytes"), r["peak_bytes"])} |'
         f' {_gib(r.get("step_bytes"))} |'
         f' {_ratio(b.get("step_bytes"), r.get("step_bytes"))} |'
-        f' {r["step_ms"]:.1f} | {r["compile_s"]:.0f} |')
+        f' {r["step_ms"]:.1f} | {r["compile_s"]:.0f} |'
+        f' {_seconds(r.get("init_s"))} |')
   return rows
 
 

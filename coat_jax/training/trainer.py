@@ -187,15 +187,13 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   def first_params():
     """Placed params of a new run: random, or model.init_from's weights."""
     if config.model.init_from is None:
-      # Made on one device, then each device sent its slice: under the
-      # caller's jax.set_mesh, eager arrays are replicated on every device
-      # of the mesh (Llama-2-7B, FSDP on 4 H200s: each device held all 25.1
-      # GiB of float32 params at init, more than its 6.3 GiB shard and the
-      # step's 22 GiB together). Not jax.device_put, which with several
-      # processes gathers every array to the hosts to check it is the same.
-      with jax.set_mesh(None):
-        params = model_params()
-      return jax.tree.map(device_batch, params, state_shardings['params'])
+      # Made under jit, each device its own shard (partitionable threefry:
+      # the same values on any mesh). Made eagerly, the whole float32 params
+      # sat on one device first (Llama-2-7B, FSDP on 4 H200s: device 0
+      # peaked at 39.3 GiB at init, its step at 22.3; 13B: 76.4 and 36.5),
+      # so FSDP could not start a model larger than one GPU.
+      return jax.jit(model_params,
+                     out_shardings=state_shardings['params'])()
     return hf.load_hf_params(config.model.init_from,
                              abstract_state['params'],
                              state_shardings['params'])
@@ -304,8 +302,6 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   return Setup(
       config=config, mesh=mesh, graphdef=graphdef, tx=tx,
       state_shardings=state_shardings, abstract_state=abstract_state,
-      # Params are initialized eagerly, then placed: jit-compiling the
-      # initializers of the 1b model took over 2 minutes on an H100.
       init_state=lambda: jax.jit(
           new_state, out_shardings=state_shardings, donate_argnums=0)(
               first_params()),
