@@ -324,8 +324,9 @@ def device_batch(batch: Any, sharding_: jax.sharding.Sharding):
 
   The slices are cut where the array is: under a caller's jax.set_mesh an
   eager slice of a device array is replicated on every device of the mesh,
-  with the whole array copied there first (Llama-2-7B, FSDP on 4 H200s:
-  devices 1-3 held twice the float32 layer stack at init, 47.8 GiB).
+  with the whole array copied there first (Llama-2-7B's params placed
+  this way, FSDP on 4 H200s: devices 1-3 peaked at 47.8 GiB, twice the
+  float32 layer stack).
   """
   def slice_of(idx):
     with jax.set_mesh(None):

@@ -83,8 +83,8 @@ def test_device_batch_cuts_each_slice_on_its_array_s_device(tiny_config,
                                                             monkeypatch):
   """Under a caller's jax.set_mesh an eager slice of a device array is
   replicated on every device of the mesh, with the whole array copied
-  there first (Llama-2-7B, FSDP on 4 H200s: devices 1-3 peaked at 47.8
-  GiB, twice the float32 layer stack, when params were placed this way)."""
+  there first (Llama-2-7B's params placed this way, FSDP on 4 H200s:
+  devices 1-3 peaked at 47.8 GiB, twice the float32 layer stack)."""
   setup = training.build(_config(tiny_config, 8), jax.devices())
   sharding_ = jax.sharding.NamedSharding(setup.mesh, P('fsdp'))
   with jax.set_mesh(None):
@@ -92,12 +92,12 @@ def test_device_batch_cuts_each_slice_on_its_array_s_device(tiny_config,
   slices = []
   make_array_from_callback = jax.make_array_from_callback
 
-  def spy(shape, sharding_, callback):
+  def spy(shape, target, callback):
     def sliced(idx):
       part = callback(idx)
       slices.append(part.sharding.device_set)
       return part
-    return make_array_from_callback(shape, sharding_, sliced)
+    return make_array_from_callback(shape, target, sliced)
 
   monkeypatch.setattr(jax, 'make_array_from_callback', spy)
   with jax.set_mesh(setup.mesh):
