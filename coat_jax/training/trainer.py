@@ -184,24 +184,26 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   def model_params():
     return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
 
-  def first_params():
-    """Placed params of a new run: random, or model.init_from's weights."""
+  def new_state(params):
+    return {'params': params, 'opt_state': tx.init(params),
+            'step': jnp.zeros((), jnp.int32),
+            'nonfinite': jnp.zeros((), jnp.int32)}
+
+  def init_state():
+    """A new run's state, placed: random params, or model.init_from's."""
     if config.model.init_from is None:
       # Made under jit, each device its own shard (partitionable threefry:
       # the same values on any mesh). Made eagerly, the whole float32 params
       # sat on one device first (Llama-2-7B, FSDP on 4 H200s: device 0
       # peaked at 39.3 GiB at init, its step at 22.3; 13B: 76.4 and 36.5),
       # so FSDP could not start a model larger than one GPU.
-      return jax.jit(model_params,
-                     out_shardings=state_shardings['params'])()
-    return hf.load_hf_params(config.model.init_from,
-                             abstract_state['params'],
-                             state_shardings['params'])
-
-  def new_state(params):
-    return {'params': params, 'opt_state': tx.init(params),
-            'step': jnp.zeros((), jnp.int32),
-            'nonfinite': jnp.zeros((), jnp.int32)}
+      return jax.jit(lambda: new_state(model_params()),
+                     out_shardings=state_shardings)()
+    params = hf.load_hf_params(config.model.init_from,
+                               abstract_state['params'],
+                               state_shardings['params'])
+    return jax.jit(new_state, out_shardings=state_shardings,
+                   donate_argnums=0)(params)
 
   abstract_state = jax.eval_shape(lambda: new_state(model_params()))
   group = (config.optim.group_size if config.optim.name == 'coat_adamw'
@@ -302,9 +304,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   return Setup(
       config=config, mesh=mesh, graphdef=graphdef, tx=tx,
       state_shardings=state_shardings, abstract_state=abstract_state,
-      init_state=lambda: jax.jit(
-          new_state, out_shardings=state_shardings, donate_argnums=0)(
-              first_params()),
+      init_state=init_state,
       train_step=train_step,
       eval_step=jax.jit(
           eval_step, in_shardings=(state_shardings['params'], batch_sharding,
