@@ -6,6 +6,11 @@ with `jax.profiler` and sums the GPU kernels' time by kind of op, so that the
 modes can be compared op class by op class.
 
   PYTHONPATH=. python benchmarks/step_profile.py --modes bf16,coat
+
+On several GPUs (a mesh from --set, e.g. `--config configs/llama2_7b.py
+--set mesh.data=1 mesh.fsdp=2 train.batch_size=4`) the kernel times are
+per GPU, and it prints how much of the first GPU's NCCL kernel time runs
+with no other kernel beside it (collectives that compute does not hide).
 """
 
 import argparse
@@ -28,6 +33,8 @@ from coat_jax.training import trainer
 
 # Kernel-name patterns -> op class, first match wins.
 CLASSES = (
+    # NCCL's kernels (ncclDevKernel_AllGather_..., _ReduceScatter_...).
+    ('collectives (nccl)', r'nccl'),
     # The Pallas SwiGLU and RMSNorm kernels are named *_fp8_*: not GEMMs.
     ('other', r'^(swiglu|rms_norm)_fp8'),
     # cuBLASLt's nvjet kernels spell FP8 operands q (E4M3) and r (E5M2).
@@ -89,30 +96,72 @@ def _totals(stats):
   return collections.Counter({name: ms for name, (ms, _) in stats.items()})
 
 
-def _stream_lines(trace_dir):
-  """The GPU stream lines of the trace in trace_dir (the kernels; 'XLA
-  Ops' etc. repeat them)."""
+def _gpu_streams(trace_dir):
+  """[the GPU stream lines of one device] for each GPU in the trace in
+  trace_dir (the kernels; 'XLA Ops' etc. repeat them), by device name."""
   path, = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'),
                     recursive=True)
   data = jax.profiler.ProfileData.from_file(path)
-  lines = [line for plane in data.planes
-           if plane.name.startswith('/device:GPU') for line in plane.lines]
-  streams = [line for line in lines if line.name.startswith('Stream')]
-  if not streams:
+  planes = sorted((p for p in data.planes
+                   if p.name.startswith('/device:GPU')),
+                  key=lambda p: p.name)
+  devices = [[line for line in p.lines if line.name.startswith('Stream')]
+             for p in planes]
+  if not any(devices):
     print('no GPU stream lines in the trace; lines:',
-          sorted({line.name for line in lines}))
-  return streams
+          sorted({line.name for p in planes for line in p.lines}))
+  return devices
+
+
+def _stream_lines(trace_dir):
+  """The GPU stream lines of every device in the trace."""
+  return [line for lines in _gpu_streams(trace_dir) for line in lines]
 
 
 def kernel_stats(trace_dir, steps):
   """{kernel name: (ms per step, launches per step)} over the GPU streams
-  of a trace."""
+  of a trace, per device (the mean over the devices)."""
+  devices = _gpu_streams(trace_dir)
+  n = max(1, len(devices))
   totals, launches = collections.Counter(), collections.Counter()
-  for line in _stream_lines(trace_dir):
+  for line in (line for lines in devices for line in lines):
     for event in line.events:
-      totals[event.name] += event.duration_ns / 1e6 / steps
-      launches[event.name] += 1 / steps
+      totals[event.name] += event.duration_ns / 1e6 / steps / n
+      launches[event.name] += 1 / steps / n
   return {name: (ms, launches[name]) for name, ms in totals.items()}
+
+
+def _union(intervals):
+  """Sorted disjoint [start, end] intervals covering `intervals`."""
+  out = []
+  for start, end in sorted(intervals):
+    if out and start <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], end)
+    else:
+      out.append([start, end])
+  return out
+
+
+def exposed_collectives(trace_dir, steps):
+  """(NCCL kernel ms per step, of which ms with no other kernel running)
+  on the first GPU of a trace: collectives that compute does not hide."""
+  devices = _gpu_streams(trace_dir)
+  nccl, compute = [], []
+  for line in devices[0] if devices else []:
+    for e in line.events:
+      kind = nccl if classify(e.name) == CLASSES[0][0] else compute
+      kind.append((e.start_ns, e.start_ns + e.duration_ns))
+  total = sum(end - start for start, end in nccl)
+  return total / 1e6 / steps, uncovered(nccl, compute) / 1e6 / steps
+
+
+def uncovered(intervals, others):
+  """How much of the union of `intervals` no interval of `others` covers
+  ((start, end) pairs, the same unit)."""
+  busy = _union(others)
+  return sum(end - start - sum(max(0, min(end, b) - max(start, a))
+                               for a, b in busy)
+             for start, end in _union(intervals))
 
 
 def kernel_gaps(trace_dir, steps, top=8):
@@ -162,7 +211,8 @@ def profile(config, steps):
   stats = kernel_stats(trace_dir, 3)
   return dict(seconds=seconds, compile_s=compile_s, temp=temp,
               gaps=kernel_gaps(trace_dir, 3), kernels=_totals(stats),
-              stats=stats, hlo=compiled.as_text())
+              collectives=exposed_collectives(trace_dir, 3), stats=stats,
+              hlo=compiled.as_text())
 
 
 def main():
@@ -200,13 +250,18 @@ def main():
     small = [(ms, n) for ms, n in r['stats'].values() if ms / n < 0.005]
     print(f'  kernels under 5 us each: {sum(n for _, n in small):.0f}'
           f' launches, {sum(ms for ms, _ in small):.2f} ms per step')
+    nccl, exposed = r['collectives']
+    if nccl:
+      print(f'  NCCL kernels on the first GPU: {nccl:.2f} ms per step,'
+            f' {exposed:.2f} ms of it with no other kernel running')
     idle, waits = r['gaps']
     print(f'  idle between kernels on the busiest stream: {idle:.2f} ms per'
           ' step; most before:')
     for name, ms in waits:
       print(f'    {ms:7.3f} ms  {name[:90]}')
-  print(f'\n{jax.devices()[0].device_kind}, jax {jax.__version__},'
-        f' {args.config}, GPU kernel ms per step by op class')
+  print(f'\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax'
+        f' {jax.__version__}, {args.config}, GPU kernel ms per step (per'
+        ' GPU) by op class')
   labels = [label for label, _ in CLASSES if label != 'other'] + ['other']
   print('| op class | ' + ' | '.join(results) + ' |')
   print('|---|' + '---|' * len(results))

@@ -333,20 +333,25 @@ USE_IEEE_OPS = False
 
 
 @functools.cache
-def _gpu_supports_pallas() -> bool:
-  """Whether the default backend is one GPU with FP8 (Hopper or newer)."""
+def gpus_run_pallas() -> bool:
+  """Whether the default backend's devices are GPUs with FP8 (Hopper or
+  newer), which run this package's kernels: on one device, or on each
+  device's shard inside the caller's `jax.shard_map`."""
   if jax.default_backend() != 'gpu' or pltriton is None:
     return False
-  devices = jax.devices()
-  if len(devices) != 1:
-    # pallas_call has no partitioning rule: under a multi-device jit it would
-    # be replicated. Call with implementation='pallas' inside shard_map.
-    return False
-  cc = getattr(devices[0], 'compute_capability', '0')
   try:
-    return float(cc) >= 9.0
+    return all(float(getattr(d, 'compute_capability', '0')) >= 9.0
+               for d in jax.devices())
   except ValueError:
     return False
+
+
+@functools.cache
+def _gpu_supports_pallas() -> bool:
+  """Whether the default backend is one GPU with FP8 (Hopper or newer)."""
+  # pallas_call has no partitioning rule: under a multi-device jit it would
+  # be replicated. Call with implementation='pallas' inside shard_map.
+  return gpus_run_pallas() and len(jax.devices()) == 1
 
 
 def check_parts(parts) -> tuple[jax.Array, ...]:

@@ -309,7 +309,8 @@ class DecoderLayer(nnx.Module):
     # the norms' kernels run (one Hopper GPU). Where XLA quantizes (several
     # devices), XLA fuses the projections' own amax passes into the norms'
     # backward fusions anyway, and with slots it kept more: 1b, FSDP on 2
-    # H200s, compiled: temp 8.12 -> 9.63 GiB per device.
+    # H200s, compiled: temp 8.12 -> 9.63 GiB per device (measured before
+    # the norms' kernels ran on several GPUs, per shard: `fsdp.row_wise`).
     self.grad_amax_slots = (precision_lib.uses_fp8_activations(precision)
                             and scaling == 'tensor' and not xla_quantizes())
 

@@ -21,6 +21,11 @@ all-gathers its weights, as FSDP means.
 quantized where they are (the per-tensor amax is a scalar all-reduce) and the
 1-byte codes (as uint8) are gathered instead of 4-byte params (what torchao's
 FP8 all-gather does).
+
+`row_wise` runs a row-by-row Pallas kernel (RMSNorm, SwiGLU, the per-tensor
+quantizers) on each device's rows of batch-sharded activations inside
+`jax.shard_map`, where a bare pallas_call would be replicated: on several
+GPUs the FP8 layers then run the kernels that they run on one.
 """
 
 import jax
@@ -32,6 +37,13 @@ from pallas_kernels import _common
 
 BATCH_AXES = ('data', 'fsdp')
 TENSOR_AXIS = 'tensor'
+
+# How `row_wise` places each input and output of a kernel on the devices.
+ROWS = 'rows'  # the leading axis split over BATCH_AXES
+COLS = 'cols'  # the last axis split over BATCH_AXES (a transpose's codes)
+WHOLE = 'whole'  # the same whole array on every device (a gain, a scale)
+MAX = 'max'  # each device's value reduced with max (an amax)
+SUM = 'sum'  # each device's value summed (a column sum: dscale)
 
 
 def _mesh():
@@ -111,3 +123,61 @@ def gather_fp8_weight(values: jax.Array,
   codes = jax.lax.with_sharding_constraint(codes, P(*local))
   codes = jax.lax.with_sharding_constraint(codes, P())
   return jax.lax.bitcast_convert_type(codes, values.dtype)
+
+
+def _amax_across(amax: jax.Array, axes) -> jax.Array:
+  """The max of each device's amax (>= 0), NaN if one is: a max all-reduce
+  drops NaN (XLA:CPU's does), so the few scalars are gathered instead."""
+  return _common.tensor_abs_max(jax.lax.all_gather(amax, axes))
+
+
+def pallas_on_shards(rows: int) -> bool:
+  """Whether `row_wise` runs its kernel on each device's rows here: under
+  an FSDP mesh of several batch shards (and 'tensor' 1), on GPUs that run
+  the Pallas kernels, with `rows` a multiple of the shards."""
+  mesh = _mesh()
+  if mesh is None or mesh.shape.get(TENSOR_AXIS, 1) > 1:
+    return False
+  shards = _batch_shards(mesh)
+  return shards > 1 and rows % shards == 0 and _common.gpus_run_pallas()
+
+
+def row_wise(kernel, args, in_kinds, out_kinds):
+  """`kernel(*args, implementation=...)` for a kernel that works row by row.
+
+  On one device (or where `pallas_on_shards` says no) this is
+  `kernel(*args, implementation=None)`, the fastest implementation there.
+  Under an FSDP mesh on several Hopper GPUs it is the Pallas kernel
+  (`implementation='pallas'`) on each device's rows inside `jax.shard_map`
+  over BATCH_AXES: the outputs are those of one call on the whole arrays,
+  the MAX ones reduced across devices (exactly, NaN kept), the SUM ones
+  summed (in another order than one device's).
+
+  Args:
+    kernel: fn(*arrays, implementation) -> tuple of arrays (None allowed
+      where the kind is None).
+    args: its arrays; the first ROWS one's leading axis is the rows.
+    in_kinds: ROWS or WHOLE for each arg.
+    out_kinds: ROWS, COLS, WHOLE, MAX, SUM or None (a None output) for
+      each output.
+  """
+  rows = args[in_kinds.index(ROWS)].shape[0]
+  if not pallas_on_shards(rows):
+    return kernel(*args, implementation=None)
+  spec = {ROWS: P(BATCH_AXES), COLS: P(None, BATCH_AXES), WHOLE: P(),
+          MAX: P(), SUM: P()}
+  kept = [kind for kind in out_kinds if kind is not None]
+
+  def body(*local):
+    outs = kernel(*local, implementation='pallas')
+    reduced = {MAX: _amax_across, SUM: jax.lax.psum}
+    return tuple(
+        reduced[kind](out, BATCH_AXES) if kind in reduced else out
+        for out, kind in zip(outs, out_kinds, strict=True)
+        if kind is not None)
+
+  outs = iter(jax.shard_map(
+      body, in_specs=tuple(spec[kind] for kind in in_kinds),
+      out_specs=tuple(spec[kind] for kind in kept),
+      axis_names=set(BATCH_AXES), check_vma=False)(*args))
+  return tuple(None if kind is None else next(outs) for kind in out_kinds)

@@ -124,13 +124,39 @@ def _amax(x, amax=None):
   return tensor_quant.tensor_amax(x, implementation='xla')
 
 
+def _quantize(x, dtype, amax, transpose=False):
+  """`quantize_per_tensor(x, dtype, amax=amax, transpose=transpose)` of
+  (M, N) rows: the Pallas kernel on Hopper GPUs (each device's rows under
+  FSDP, `fsdp.row_wise`; faster in the 1b train step, RESULTS.md), XLA
+  else."""
+  def kernel(x, amax, *, implementation):
+    return tensor_quant.quantize_per_tensor(
+        x, dtype, amax=amax, transpose=transpose,
+        implementation=implementation)
+  return fsdp.row_wise(
+      kernel, (x, amax), (fsdp.ROWS, fsdp.WHOLE),
+      (fsdp.ROWS, fsdp.WHOLE, fsdp.COLS if transpose else None))
+
+
+def _quantize_parts(parts, dtype, amax):
+  """`quantize_per_tensor_parts(parts, dtype, amax=amax, transpose=True)`
+  as `_quantize`; amax None: the max of the parts' (`_amax`)."""
+  if amax is None:
+    amax = functools.reduce(jnp.maximum, [_amax(x) for x in parts])
+
+  def kernel(amax, *parts, implementation):
+    return tensor_quant.quantize_per_tensor_parts(
+        parts, dtype, amax=amax, transpose=True,
+        implementation=implementation)
+  return fsdp.row_wise(
+      kernel, (amax, *parts), (fsdp.WHOLE,) + (fsdp.ROWS,) * len(parts),
+      (fsdp.ROWS, fsdp.WHOLE, fsdp.COLS))
+
+
 def _quantize_with_transpose(x, dtype, amax=None):
   """(values (M, N), scale, values.T (N, M)): max |x| (`_amax`), then one
-  pass over x, the Pallas kernel on one Hopper GPU (faster in the 1b train
-  step, RESULTS.md), XLA else."""
-  amax = _amax(x, amax)
-  return tensor_quant.quantize_per_tensor(x, dtype, amax=amax, transpose=True,
-                                          implementation=None)
+  pass over x (`_quantize`)."""
+  return _quantize(x, dtype, _amax(x, amax), transpose=True)
 
 
 def _outputs_and_residuals(outs, kept, fp8, weights):
@@ -160,8 +186,7 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
   gate/up projections with SwiGLU, `coat_jax.nn.mlp`)."""
   if reuse_input:  # backward quantizes x^T again with this amax: same codes
     x_amax = _amax(x, x_amax)
-    x_values, x_scale, _ = tensor_quant.quantize_per_tensor(
-        x, 'e4m3', amax=x_amax, implementation=None)
+    x_values, x_scale, _ = _quantize(x, 'e4m3', x_amax)
     kept, fp8 = (x,), (x_amax,)
   else:
     x_values, x_scale, x_t = _quantize_with_transpose(x, 'e4m3', x_amax)
@@ -212,8 +237,7 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   *saved, weights = saved
   if reuse_input:
     x, x_amax = saved
-    _, x_scale, x_t = tensor_quant.quantize_per_tensor(
-        x, 'e4m3', amax=x_amax, transpose=True, implementation=None)
+    _, x_scale, x_t = _quantize(x, 'e4m3', x_amax, transpose=True)
   else:
     x_t, x_scale = saved
   dtype = grads[0].dtype
@@ -223,9 +247,8 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   if fused:
     # One (M, sum N_i) gradient with one scale, as the forward's weight,
     # each part quantized into its columns (no concatenation written).
-    quantized = [tensor_quant.quantize_per_tensor_parts(
-        grads, 'e5m2', transpose=True, implementation=None,
-        amax=None if grad_amaxes is None else functools.reduce(
+    quantized = [_quantize_parts(
+        grads, 'e5m2', None if grad_amaxes is None else functools.reduce(
             jnp.maximum, grad_amaxes))]
     w_values, w_scales = [jnp.concatenate(w_values, axis=1)], w_scales[:1]
     kernel_dtypes = kernel_dtypes[:1]  # one dtype (`fp8_dense` checks)

@@ -21,6 +21,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from coat_jax.nn import fsdp
 from coat_jax.nn import linear
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.residuals import after_grads
@@ -45,11 +46,17 @@ def _fp8_swiglu(gate, up):
 def _fp8_swiglu_fwd(gate, up):
   """((h, amax |h|), residuals): the amax, a statistic without gradient,
   is the down projection's per-tensor scale."""
-  h, gate_q, up_q, h_amax = swiglu_fp8_api.swiglu_fp8_fwd(
-      gate, up, group_size=precision_lib.GROUP_SIZE,
-      scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)
+  def kernel(gate, up, *, implementation):
+    h, gate_q, up_q, h_amax = swiglu_fp8_api.swiglu_fp8_fwd(
+        gate, up, group_size=precision_lib.GROUP_SIZE,
+        scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE,
+        implementation=implementation)
+    return h, *gate_q, *up_q, h_amax
+  rows = fsdp.ROWS
+  h, *groups, h_amax = fsdp.row_wise(kernel, (gate, up), (rows, rows),
+                                     (rows,) * 5 + (fsdp.MAX,))
   gate_q, up_q = (QuantizedArray(*q, None, precision_lib.GROUP_SIZE)
-                  for q in (gate_q, up_q))
+                  for q in (groups[:2], groups[2:]))
   return with_residuals((h, h_amax), (gate_q, up_q))
 
 
@@ -58,9 +65,16 @@ def _swiglu_grads(residuals, grads):
   residuals and the gradients of (h, amax |h|) (the amax has none)."""
   dh, _ = grads
   (gate_q, up_q), dh = after_grads(residuals, dh)
-  return swiglu_fp8_api.swiglu_fp8_bwd(
-      (gate_q.values, gate_q.scale), (up_q.values, up_q.scale), dh,
-      group_size=gate_q.group_size)
+
+  def kernel(gate_codes, gate_scales, up_codes, up_scales, dh, *,
+             implementation):
+    return swiglu_fp8_api.swiglu_fp8_bwd(
+        (gate_codes, gate_scales), (up_codes, up_scales), dh,
+        group_size=gate_q.group_size, implementation=implementation)
+  rows = fsdp.ROWS
+  return fsdp.row_wise(
+      kernel, (gate_q.values, gate_q.scale, up_q.values, up_q.scale, dh),
+      (rows,) * 5, (rows, rows, fsdp.MAX, fsdp.MAX))
 
 
 def _fp8_swiglu_bwd(residuals, grads):

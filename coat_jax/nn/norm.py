@@ -24,6 +24,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from coat_jax.nn import fsdp
 from coat_jax.nn import partitioning
 from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.residuals import after_grads
@@ -73,10 +74,14 @@ def _fp8_rms_norm_fwd(x, slot, scale, eps):
 def _fp8_rms_norm_with_amax_fwd(x, scale, eps):
   """((y, max |y|), residuals): the amax, from the same pass and without
   gradient, is the per-tensor scale of the GEMM that reads y."""
-  # The one-pass Pallas kernel on one Hopper GPU, XLA elsewhere.
-  y, codes, scales, rstd, y_amax = rms_norm_fp8_api.rms_norm_fp8_fwd(
-      x, scale, eps, group_size=precision_lib.GROUP_SIZE,
-      scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE)
+  # The one-pass Pallas kernel on Hopper GPUs (each device's rows under
+  # FSDP), XLA elsewhere.
+  y, codes, scales, rstd, y_amax = fsdp.row_wise(
+      functools.partial(rms_norm_fp8_api.rms_norm_fp8_fwd, eps=eps,
+                        group_size=precision_lib.GROUP_SIZE,
+                        scale_dtype=precision_lib.ACTIVATION_SCALE_DTYPE),
+      (x, scale), (fsdp.ROWS, fsdp.WHOLE),
+      (fsdp.ROWS, fsdp.ROWS, fsdp.ROWS, fsdp.ROWS, fsdp.MAX))
   xq = QuantizedArray(codes, scales, None, precision_lib.GROUP_SIZE)
   outs, residuals = with_residuals((y, y_amax), (xq, rstd))
   return outs, residuals + (scale,)
@@ -88,9 +93,18 @@ def _fp8_rms_norm_bwd(eps, residuals, g, residual_grad=None):
   xq, rstd, scale = residuals
   (xq, rstd), (g, residual_grad) = after_grads((xq, rstd),
                                                (g, residual_grad))
-  dx, dscale, dx_amax = rms_norm_fp8_api.rms_norm_fp8_bwd(
-      xq.values, xq.scale, rstd, scale, g, residual_grad=residual_grad,
-      group_size=xq.group_size)
+  def kernel(codes, scales, rstd, scale, g, *residual_grad, implementation):
+    return rms_norm_fp8_api.rms_norm_fp8_bwd(
+        codes, scales, rstd, scale, g,
+        residual_grad=residual_grad[0] if residual_grad else None,
+        group_size=xq.group_size, implementation=implementation)
+  args = (xq.values, xq.scale, rstd, scale, g)
+  if residual_grad is not None:
+    args += (residual_grad,)
+  rows = fsdp.ROWS
+  dx, dscale, dx_amax = fsdp.row_wise(
+      kernel, args, (rows, rows, rows, fsdp.WHOLE) + (rows,) * (len(args) - 4),
+      (rows, fsdp.SUM, fsdp.MAX))
   return reduced_now((dx, dx_amax, dscale.astype(scale.dtype)))
 
 

@@ -80,9 +80,12 @@ def reduced_now(grads: Any) -> Any:
 
 
 def xla_quantizes() -> bool:
-  """Whether the FP8 layers' per-tensor quantizers run as XLA fusions here
-  (several devices, CPU, GPUs before Hopper), not as the Pallas kernels
-  they run on one Hopper GPU."""
+  """Whether the FP8 layers are laid out for XLA's per-tensor quantizers
+  here (several devices, CPU, GPUs before Hopper), not for the Pallas
+  kernels of one Hopper GPU: the barriers above, no gradient amax slots.
+  (Several Hopper GPUs under FSDP run the kernels too, on each device's
+  rows, `coat_jax.nn.fsdp.row_wise`, in this layout: the one-GPU layout is
+  not measured there.)"""
   return _common.resolve_implementation(
       None, tensor_quant.PALLAS_IS_DEFAULT)[0] == 'xla'
 

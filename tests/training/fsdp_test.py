@@ -240,6 +240,42 @@ def test_fp8_weight_gather_changes_no_number(tiny_config):
   jax.tree.map(np.testing.assert_array_equal, params_on, params_off)
 
 
+def test_per_shard_pallas_kernels_train_as_xla_s(tiny_config, monkeypatch):
+  """Two coat steps on fsdp=8 with the layers' Pallas kernels on each
+  device's rows (`fsdp.row_wise`, interpreted here as on GPUs they are
+  compiled) and with XLA's quantizers (CPUs, and several GPUs before):
+  the same losses to float rounding, the step's program holding the
+  kernels in shard_maps, and no all-gather of a (tokens, hidden)
+  activation (a bare pallas_call would have been replicated)."""
+  from pallas_kernels import _common  # noqa: PLC0415
+  tokens = np.random.default_rng(2).integers(0, 256, (8, 33), np.int32)
+  runs = {}
+  for per_shard in (False, True):
+    monkeypatch.setattr(_common, 'gpus_run_pallas', lambda p=per_shard: p)
+    setup = training.build(_config(tiny_config, 8), jax.devices())
+    with jax.set_mesh(setup.mesh):
+      state = setup.init_state()
+      jaxpr = str(jax.make_jaxpr(setup.train_step)(
+          state, tokens[:, :-1], tokens[:, 1:]))
+      assert (jaxpr.count('pallas_call') > 0) == per_shard
+      if per_shard:
+        colls = fsdp_bench.collectives(setup.train_step.lower(
+            state, tokens[:, :-1], tokens[:, 1:]).compile().as_text())
+        # Weights and amaxes travel as float32 (or FP8 codes as uint8),
+        # tokens as int32; activations would be bf16 or FP8.
+        gathered = [d for c in colls if c['kind'] == 'all-gather'
+                    for d, _ in c['arrays']]
+        assert gathered and set(gathered) <= {'f32', 'u8', 's32'}, gathered
+      losses = []
+      for _ in range(2):
+        state, metrics = setup.train_step(state, tokens[:, :-1],
+                                          tokens[:, 1:])
+        losses.append(float(metrics['loss']))
+    runs[per_shard] = losses
+  assert np.isfinite(runs[True]).all()
+  np.testing.assert_allclose(runs[True], runs[False], rtol=2e-3)
+
+
 def test_gather_fp8_weight_outside_fsdp_is_the_identity():
   x = jnp.ones((32, 16), jnp.float8_e4m3fn)
   assert fsdp.gather_fp8_weight(x, ('embed', 'mlp')) is x  # no mesh
