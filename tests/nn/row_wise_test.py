@@ -21,8 +21,9 @@ from pallas_kernels import _common
 ROWS = 16  # 2 rows a device on 8
 
 
-def _mesh(n=8):
-  return sharding.make_mesh((1, n, 1), jax.devices()[:n])
+def _mesh(n=8, data=1):
+  """A (data, fsdp = n / data, tensor 1) mesh of the first n devices."""
+  return sharding.make_mesh((data, n // data, 1), jax.devices()[:n])
 
 
 @pytest.fixture
@@ -37,10 +38,10 @@ def _sharded(mesh, *arrays):
           for a in arrays]
 
 
-def _per_shard_and_whole(fn, *arrays):
-  """(fn's outputs jitted under the 8-device mesh on row-sharded inputs,
+def _per_shard_and_whole(fn, *arrays, data=1):
+  """(fn's outputs jitted under an 8-device mesh on row-sharded inputs,
   its jaxpr there, the outputs of the Pallas kernels on one device)."""
-  mesh = _mesh()
+  mesh = _mesh(data=data)
   with jax.set_mesh(mesh):
     sharded = _sharded(mesh, *arrays)
     jaxpr = str(jax.make_jaxpr(fn)(*sharded))
@@ -128,14 +129,16 @@ def test_swiglu_forward_and_backward_per_shard(on_gpus):
   _assert_same(outs, whole)
 
 
-@pytest.mark.parametrize('transpose', [False, True])
-def test_per_tensor_quantizer_per_shard(on_gpus, transpose):
+@pytest.mark.parametrize('transpose,data', [(False, 1), (True, 1),
+                                            (True, 2)])
+def test_per_tensor_quantizer_per_shard(on_gpus, transpose, data):
+  """data 2: rows split over data x fsdp = 2 x 4."""
   x = _x(3, (ROWS * 2, 48), outlier_row=29)
 
   def fn(x):
     return linear._quantize(x, 'e4m3', linear._amax(x), transpose)
 
-  outs, jaxpr, whole = _per_shard_and_whole(fn, x)
+  outs, jaxpr, whole = _per_shard_and_whole(fn, x, data=data)
   assert 'shard_map' in jaxpr and (outs[2] is None) == (not transpose)
   _assert_same(outs, whole)
   if transpose:  # the transposed codes are split by columns, as they came
