@@ -240,19 +240,18 @@ def test_fp8_weight_gather_changes_no_number(tiny_config):
   jax.tree.map(np.testing.assert_array_equal, params_on, params_off)
 
 
-def test_per_shard_pallas_kernels_train_as_xla_s(tiny_config, monkeypatch):
-  """Two coat steps on fsdp=8 with the layers' Pallas kernels on each
-  device's rows (`fsdp.row_wise`, interpreted here as on GPUs they are
-  compiled) and with XLA's quantizers (CPUs, and several GPUs before):
-  the same losses to float rounding, the step's program holding the
-  kernels in shard_maps, and no all-gather of a (tokens, hidden)
-  activation (a bare pallas_call would have been replicated)."""
+def _per_shard_against_xla(tiny_config, monkeypatch, n):
+  """Two coat steps on fsdp=n with the layers' Pallas kernels on each
+  device's rows (`fsdp.row_wise`) and with XLA's quantizers (CPUs, and
+  several GPUs before): the same losses to float rounding, the step's
+  program holding the kernels, and no all-gather of an activation (a bare
+  pallas_call would have been replicated)."""
   from pallas_kernels import _common  # noqa: PLC0415
   tokens = np.random.default_rng(2).integers(0, 256, (8, 33), np.int32)
   runs = {}
   for per_shard in (False, True):
     monkeypatch.setattr(_common, 'gpus_run_pallas', lambda p=per_shard: p)
-    setup = training.build(_config(tiny_config, 8), jax.devices())
+    setup = training.build(_config(tiny_config, n), jax.devices()[:n])
     with jax.set_mesh(setup.mesh):
       state = setup.init_state()
       jaxpr = str(jax.make_jaxpr(setup.train_step)(
@@ -274,6 +273,20 @@ def test_per_shard_pallas_kernels_train_as_xla_s(tiny_config, monkeypatch):
     runs[per_shard] = losses
   assert np.isfinite(runs[True]).all()
   np.testing.assert_allclose(runs[True], runs[False], rtol=2e-3)
+
+
+def test_per_shard_pallas_kernels_train_as_xla_s(tiny_config, monkeypatch):
+  """On 8 CPU devices, the kernels interpreted (compiled on GPUs)."""
+  _per_shard_against_xla(tiny_config, monkeypatch, 8)
+
+
+@pytest.mark.gpu
+def test_gpus_run_the_kernels_per_shard_as_xla_s(tiny_config, monkeypatch):
+  """On 2, 4 or 8 GPUs, the kernels compiled."""
+  n = jax.device_count()
+  if n < 2 or 8 % n:
+    pytest.skip(f'needs 2, 4 or 8 GPUs; found {n}')
+  _per_shard_against_xla(tiny_config, monkeypatch, n)
 
 
 def test_gather_fp8_weight_outside_fsdp_is_the_identity():
