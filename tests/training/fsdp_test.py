@@ -240,8 +240,8 @@ def test_fp8_weight_gather_changes_no_number(tiny_config):
   jax.tree.map(np.testing.assert_array_equal, params_on, params_off)
 
 
-def _per_shard_against_xla(tiny_config, monkeypatch, n):
-  """Two coat steps on fsdp=n with the layers' Pallas kernels on each
+def _per_shard_against_xla(tiny_config, monkeypatch, n, data=1):
+  """Two coat steps on data x fsdp = n with the layers' Pallas kernels on each
   device's rows (`fsdp.row_wise`) and with XLA's quantizers (CPUs, and
   several GPUs before): the same losses to float rounding, the step's
   program holding the kernels, and no all-gather of an activation (a bare
@@ -251,7 +251,9 @@ def _per_shard_against_xla(tiny_config, monkeypatch, n):
   runs = {}
   for per_shard in (False, True):
     monkeypatch.setattr(_common, 'gpus_run_pallas', lambda p=per_shard: p)
-    setup = training.build(_config(tiny_config, n), jax.devices()[:n])
+    setup = training.build(
+        _config(tiny_config, n // data, mesh={'data': data}),
+        jax.devices()[:n])
     with jax.set_mesh(setup.mesh):
       state = setup.init_state()
       jaxpr = str(jax.make_jaxpr(setup.train_step)(
@@ -275,9 +277,12 @@ def _per_shard_against_xla(tiny_config, monkeypatch, n):
   np.testing.assert_allclose(runs[True], runs[False], rtol=2e-3)
 
 
-def test_per_shard_pallas_kernels_train_as_xla_s(tiny_config, monkeypatch):
-  """On 8 CPU devices, the kernels interpreted (compiled on GPUs)."""
-  _per_shard_against_xla(tiny_config, monkeypatch, 8)
+@pytest.mark.parametrize('data', [1, 2])
+def test_per_shard_pallas_kernels_train_as_xla_s(tiny_config, monkeypatch,
+                                                 data):
+  """On 8 CPU devices, the kernels interpreted (compiled on GPUs); data 2:
+  data parallel over 2 x FSDP over 4."""
+  _per_shard_against_xla(tiny_config, monkeypatch, 8, data)
 
 
 @pytest.mark.gpu
