@@ -15,6 +15,7 @@ with no other kernel beside it (collectives that compute does not hide).
 
 import argparse
 import collections
+import functools
 import glob
 import json
 import os
@@ -96,6 +97,7 @@ def _totals(stats):
   return collections.Counter({name: ms for name, (ms, _) in stats.items()})
 
 
+@functools.lru_cache(maxsize=2)  # a trace is read once for each table
 def _gpu_streams(trace_dir):
   """[the GPU stream lines of one device] for each GPU in the trace in
   trace_dir (the kernels; 'XLA Ops' etc. repeat them), by device name."""
