@@ -46,23 +46,13 @@ def _per_shard_and_whole(fn, *arrays, data=1):
     sharded = _sharded(mesh, *arrays)
     jaxpr = str(jax.make_jaxpr(fn)(*sharded))
     outs = jax.jit(fn)(*sharded)
-  with jax.set_mesh(_mesh(1)):
-    # One device: the same kernels on the whole arrays.
-    with _pallas_everywhere():
-      whole = jax.jit(fn)(*arrays)
+  # One device: the same kernels (implementation='pallas') on the whole
+  # arrays.
+  with jax.set_mesh(_mesh(1)), pytest.MonkeyPatch.context() as m:
+    m.setattr(fsdp, 'row_wise', lambda kernel, args, *_: kernel(
+        *args, implementation='pallas'))
+    whole = jax.jit(fn)(*arrays)
   return outs, jaxpr, whole
-
-
-class _pallas_everywhere:
-  """row_wise's kernel with implementation='pallas' on one device too."""
-
-  def __enter__(self):
-    self._row_wise = fsdp.row_wise
-    fsdp.row_wise = lambda kernel, args, *_: kernel(
-        *args, implementation='pallas')
-
-  def __exit__(self, *exc):
-    fsdp.row_wise = self._row_wise
 
 
 # XLA:CPU compiles an interpreted kernel's row reductions differently for 2
