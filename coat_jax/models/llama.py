@@ -435,7 +435,7 @@ class Llama(nnx.Module):
     # Under an FSDP mesh the residual stream stays batch-sharded, so each
     # layer gathers its weights rather than moving activations.
     x = fsdp.shard_batch(
-        _embed(self.embed[...], tokens).astype(self.dtype))
+        _embed(self.embed[...], tokens, self.dtype))
     cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta,
                            self.config.rope_scaling)
 
@@ -526,19 +526,24 @@ def _shard_batch(stream):
   return fsdp.shard_batch(x), slot
 
 
-def _embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
-  """table[tokens]: (B, S, H) rows of the (V, H) table.
+def _embed(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+  """table[tokens] in dtype: (B, S, H) rows of the (V, H) table.
 
-  Under Explicit mesh axes the table is gathered whole first and the rows
-  take the tokens' sharding (jax asks for the gather's out_sharding there);
-  elsewhere a plain `jnp.take`, as always.
+  Under an FSDP mesh each device looks its rows up in its slice of the
+  table (`fsdp.embed_lookup`). Under Explicit mesh axes the table is
+  gathered whole first and the rows take the tokens' sharding (jax asks
+  for the gather's out_sharding there); elsewhere a plain `jnp.take`.
   """
+  rows = fsdp.embed_lookup(table, tokens, dtype)
+  if rows is not None:
+    return rows
   table = fsdp.gather_weight(table)
   spec = _common.explicit_spec(tokens)
   if spec is None:
-    return jnp.take(table, tokens, axis=0)
+    return jnp.take(table, tokens, axis=0).astype(dtype)
   return table.at[tokens].get(
-      mode='fill', out_sharding=jax.sharding.PartitionSpec(*spec, None))
+      mode='fill', out_sharding=jax.sharding.PartitionSpec(*spec, None)
+  ).astype(dtype)
 
 
 def _row_major_weights(params):

@@ -1,9 +1,11 @@
-"""FSDP placement hints: batch-sharded activations, FP8 weight all-gathers.
+"""FSDP placement hints: batch-sharded activations, FP8 weight all-gathers,
+the embedding lookup, row-wise kernels per device.
 
-Both act only under a mesh (`jax.set_mesh`) with the ('data', 'fsdp',
+All act only under a mesh (`jax.set_mesh`) with the ('data', 'fsdp',
 'tensor') Auto axes of `coat_jax.training.sharding`; elsewhere (one device,
-no mesh, other axis names, Explicit axes) they return their input
-unchanged.
+no mesh, other axis names, Explicit axes) they leave the program as it was
+(the hints return their input, `embed_lookup` None, `row_wise` the plain
+kernel call).
 
 Under Explicit mesh axes the shardings are the arrays' types, and
 `gather_weight` spells FSDP out: a layer gathers each weight it uses whole
@@ -21,6 +23,10 @@ all-gathers its weights, as FSDP means.
 quantized where they are (the per-tensor amax is a scalar all-reduce) and the
 1-byte codes (as uint8) are gathered instead of 4-byte params (what torchao's
 FP8 all-gather does).
+
+`embed_lookup` looks each device's tokens up in the table's H slices of its
+FSDP group and moves the rows with one all-to-all, where the partitioner
+gathered the whole batch's rows on a data x FSDP mesh.
 
 `row_wise` runs a row-by-row Pallas kernel (RMSNorm, SwiGLU, the per-tensor
 quantizers) on each device's rows of batch-sharded activations inside
@@ -71,6 +77,39 @@ def shard_batch(x: jax.Array) -> jax.Array:
     return x
   return jax.lax.with_sharding_constraint(
       x, P(BATCH_AXES, *([None] * (x.ndim - 1))))
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array,
+                 dtype: jnp.dtype) -> jax.Array | None:
+  """table[tokens] in dtype, (B, S, H) and batch-sharded, for a (V, H)
+  table sharded over 'fsdp' on H; None where that does not apply (no FSDP
+  mesh or 'fsdp' 1, 'tensor' > 1, B not a multiple of the batch shards or H
+  of 'fsdp'): then a plain take.
+
+  Inside `jax.shard_map`, each device looks its FSDP group's tokens up in
+  its H slice of the table and an all-to-all hands each row its whole H:
+  one device's rows move each way. Left to the partitioner, a data x FSDP
+  mesh all-gathered the whole batch's (B, S, H) float32 rows and their
+  gradient on every device ("involuntary full rematerialization").
+  Backward scatter-adds into each table slice and sums over 'data'.
+  """
+  mesh = _mesh()
+  if mesh is None or mesh.shape.get(TENSOR_AXIS, 1) > 1:
+    return None
+  fsdp = mesh.shape['fsdp']
+  if (fsdp == 1 or tokens.shape[0] % _batch_shards(mesh)
+      or table.shape[1] % fsdp):
+    return None
+
+  def body(table, tokens):
+    group = jax.lax.all_gather(tokens, 'fsdp', axis=0, tiled=True)
+    # (B / data, S, H / fsdp)
+    rows = jnp.take(table, group, axis=0).astype(dtype)
+    return jax.lax.all_to_all(rows, 'fsdp', 0, rows.ndim - 1, tiled=True)
+
+  return jax.shard_map(
+      body, in_specs=(P(None, 'fsdp'), P(BATCH_AXES)), out_specs=P(BATCH_AXES),
+      axis_names=set(BATCH_AXES))(table, tokens)
 
 
 def gather_weight(w: jax.Array) -> jax.Array:
