@@ -35,7 +35,7 @@ from coat_jax.training import trainer
 # Kernel-name patterns -> op class, first match wins.
 CLASSES = (
     # NCCL's kernels (ncclDevKernel_AllGather_..., _ReduceScatter_...).
-    ('collectives (nccl)', r'nccl'),
+    (NCCL := 'collectives (nccl)', r'nccl'),
     # The Pallas SwiGLU and RMSNorm kernels are named *_fp8_*: not GEMMs.
     ('other', r'^(swiglu|rms_norm)_fp8'),
     # cuBLASLt's nvjet kernels spell FP8 operands q (E4M3) and r (E5M2).
@@ -126,7 +126,7 @@ def kernel_stats(trace_dir, steps):
   devices = _gpu_streams(trace_dir)
   n = max(1, len(devices))
   totals, launches = collections.Counter(), collections.Counter()
-  for line in (line for lines in devices for line in lines):
+  for line in _stream_lines(trace_dir):
     for event in line.events:
       totals[event.name] += event.duration_ns / 1e6 / steps / n
       launches[event.name] += 1 / steps / n
@@ -151,7 +151,7 @@ def exposed_collectives(trace_dir, steps):
   nccl, compute = [], []
   for line in devices[0] if devices else []:
     for e in line.events:
-      kind = nccl if classify(e.name) == CLASSES[0][0] else compute
+      kind = nccl if classify(e.name) == NCCL else compute
       kind.append((e.start_ns, e.start_ns + e.duration_ns))
   total = sum(end - start for start, end in nccl)
   return total / 1e6 / steps, uncovered(nccl, compute) / 1e6 / steps

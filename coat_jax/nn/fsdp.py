@@ -195,20 +195,25 @@ def row_wise(kernel, args, in_kinds, out_kinds):
   Args:
     kernel: fn(*arrays, implementation) -> tuple of arrays (None allowed
       where the kind is None).
-    args: its arrays; the first ROWS one's leading axis is the rows.
+    args: its arrays, None where the kernel is given None; the first ROWS
+      one's leading axis is the rows.
     in_kinds: ROWS or WHOLE for each arg.
     out_kinds: ROWS, COLS, WHOLE, MAX, SUM or None (a None output) for
       each output.
   """
-  rows = args[in_kinds.index(ROWS)].shape[0]
+  rows = next(a for a, kind in zip(args, in_kinds, strict=True)
+              if kind == ROWS and a is not None).shape[0]
   if not pallas_on_shards(rows):
     return kernel(*args, implementation=None)
   spec = {ROWS: P(BATCH_AXES), COLS: P(None, BATCH_AXES), WHOLE: P(),
           MAX: P(), SUM: P()}
+  given = [(a, kind) for a, kind in zip(args, in_kinds) if a is not None]
   kept = [kind for kind in out_kinds if kind is not None]
 
   def body(*local):
-    outs = kernel(*local, implementation='pallas')
+    local = iter(local)
+    outs = kernel(*(None if a is None else next(local) for a in args),
+                  implementation='pallas')
     reduced = {MAX: _amax_across, SUM: jax.lax.psum}
     return tuple(
         reduced[kind](out, BATCH_AXES) if kind in reduced else out
@@ -216,7 +221,7 @@ def row_wise(kernel, args, in_kinds, out_kinds):
         if kind is not None)
 
   outs = iter(jax.shard_map(
-      body, in_specs=tuple(spec[kind] for kind in in_kinds),
+      body, in_specs=tuple(spec[kind] for _, kind in given),
       out_specs=tuple(spec[kind] for kind in kept),
-      axis_names=set(BATCH_AXES), check_vma=False)(*args))
+      axis_names=set(BATCH_AXES), check_vma=False)(*(a for a, _ in given)))
   return tuple(None if kind is None else next(outs) for kind in out_kinds)

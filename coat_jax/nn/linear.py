@@ -138,11 +138,11 @@ def _quantize(x, dtype, amax, transpose=False):
       (fsdp.ROWS, fsdp.WHOLE, fsdp.COLS if transpose else None))
 
 
-def _quantize_parts(parts, dtype, amax):
-  """`quantize_per_tensor_parts(parts, dtype, amax=amax, transpose=True)`
-  as `_quantize`; amax None: the max of the parts' (`_amax`)."""
-  if amax is None:
-    amax = functools.reduce(jnp.maximum, [_amax(x) for x in parts])
+def _quantize_parts(parts, dtype, amaxes=None):
+  """`quantize_per_tensor_parts(parts, dtype, transpose=True)` as
+  `_quantize`, its amax the max of each part's (given, else `_amax`)."""
+  amax = functools.reduce(jnp.maximum, [_amax(x) for x in parts]
+                          if amaxes is None else amaxes)
 
   def kernel(amax, *parts, implementation):
     return tensor_quant.quantize_per_tensor_parts(
@@ -247,9 +247,7 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   if fused:
     # One (M, sum N_i) gradient with one scale, as the forward's weight,
     # each part quantized into its columns (no concatenation written).
-    quantized = [_quantize_parts(
-        grads, 'e5m2', None if grad_amaxes is None else functools.reduce(
-            jnp.maximum, grad_amaxes))]
+    quantized = [_quantize_parts(grads, 'e5m2', grad_amaxes)]
     w_values, w_scales = [jnp.concatenate(w_values, axis=1)], w_scales[:1]
     kernel_dtypes = kernel_dtypes[:1]  # one dtype (`fp8_dense` checks)
   else:

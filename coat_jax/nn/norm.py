@@ -93,18 +93,14 @@ def _fp8_rms_norm_bwd(eps, residuals, g, residual_grad=None):
   xq, rstd, scale = residuals
   (xq, rstd), (g, residual_grad) = after_grads((xq, rstd),
                                                (g, residual_grad))
-  def kernel(codes, scales, rstd, scale, g, *residual_grad, implementation):
+  def kernel(codes, scales, rstd, scale, g, residual_grad, *, implementation):
     return rms_norm_fp8_api.rms_norm_fp8_bwd(
-        codes, scales, rstd, scale, g,
-        residual_grad=residual_grad[0] if residual_grad else None,
+        codes, scales, rstd, scale, g, residual_grad=residual_grad,
         group_size=xq.group_size, implementation=implementation)
-  args = (xq.values, xq.scale, rstd, scale, g)
-  if residual_grad is not None:
-    args += (residual_grad,)
   rows = fsdp.ROWS
   dx, dscale, dx_amax = fsdp.row_wise(
-      kernel, args, (rows, rows, rows, fsdp.WHOLE) + (rows,) * (len(args) - 4),
-      (rows, fsdp.SUM, fsdp.MAX))
+      kernel, (xq.values, xq.scale, rstd, scale, g, residual_grad),
+      (rows, rows, rows, fsdp.WHOLE, rows, rows), (rows, fsdp.SUM, fsdp.MAX))
   return reduced_now((dx, dx_amax, dscale.astype(scale.dtype)))
 
 
