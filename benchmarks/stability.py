@@ -283,8 +283,10 @@ def report(out_dir: str) -> str:
 def _paired_table(finals: dict, variants: list[str],
                   lrs: list[float]) -> list[str]:
   """Markdown lines: each variant's final loss over bf16's of the same seed,
-  minus 1, as mean +- standard error over the seeds: how far the seed noise
-  lets a mean of this many seeds resolve the targets."""
+  minus 1, as mean +- standard error over the seeds (how far the seed noise
+  lets a mean of this many seeds resolve the targets) and, from three
+  seeds on, the standard deviation of a mean of two seeds (the targets'
+  measure)."""
   rows = []
   for v in [name for name in variants if name != 'bf16']:
     cells = []
@@ -297,23 +299,44 @@ def _paired_table(finals: dict, variants: list[str],
       elif len(diffs) == 1:
         cells.append(f'{diffs[0]:+.2f}% (1 seed)')
       else:
-        se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-        cells.append(f'{statistics.mean(diffs):+.2f}% +- {se:.2f}'
-                     f' ({len(diffs)} seeds)')
+        sd = statistics.stdev(diffs)
+        two = (f'; two seeds +- {sd / math.sqrt(2):.2f}' if len(diffs) > 2
+               else '')
+        cells.append(f'{statistics.mean(diffs):+.2f}% +-'
+                     f' {sd / math.sqrt(len(diffs)):.2f} ({len(diffs)}'
+                     f' seeds{two})')
     if any(cells):
       rows.append(f'| {v} | ' + ' | '.join(cells) + ' |')
   if not rows:
     return []
   return ['', 'Per seed, variant / bf16 - 1 (mean +- standard error'
-          ' over the seeds):', '',
+          ' over the seeds; two seeds: +- the standard deviation of a'
+          ' mean of two):', '',
           '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
           '|---' * (len(lrs) + 1) + '|', *rows]
+
+
+def _over_seeds(curves: list[list[tuple[int, float]]]):
+  """(steps, mean, low, high) of curves [(step, loss)] of several seeds:
+  low and high over the finite losses at each step, the mean only at steps
+  where every seed's loss is finite (it ends where a seed diverged)."""
+  by_step = {}
+  for curve in curves:
+    for step, loss in curve:
+      if math.isfinite(loss):
+        by_step.setdefault(step, []).append(loss)
+  steps = sorted(by_step)
+  full = [s for s in steps if len(by_step[s]) == len(curves)]
+  return (steps, [min(by_step[s]) for s in steps],
+          [max(by_step[s]) for s in steps],
+          (full, [statistics.mean(by_step[s]) for s in full]))
 
 
 def plot(runs: list[dict], variants: list[str], lrs: list[float],
          path: str) -> None:
   """Train (top) and validation (bottom) loss per learning rate; one color
-  per variant, one line style per seed."""
+  per variant: the mean over its seeds, shaded from the lowest to the
+  highest seed, and each seed's validation losses as dots."""
   import matplotlib  # noqa: PLC0415 (only the report needs it)
 
   matplotlib.use('Agg')
@@ -323,20 +346,29 @@ def plot(runs: list[dict], variants: list[str], lrs: list[float],
                            squeeze=False, sharex=True)
   colors = dict(zip(variants, plt.rcParams['axes.prop_cycle'].by_key()[
       'color'] * 4))
-  styles = ['-', '--', ':', '-.']
-  seeds = sorted({r['seed'] for r in runs})
   for col, lr in enumerate(lrs):
-    for r in runs:
-      if r['lr'] != lr:
+    for i, variant in enumerate(variants):
+      mine = [r for r in runs if r['lr'] == lr and r['variant'] == variant]
+      if not mine:
         continue
-      style = dict(color=colors[r['variant']],
-                   linestyle=styles[seeds.index(r['seed']) % len(styles)],
-                   label=f'{r["variant"]} seed {r["seed"]}')
-      for row, curve in enumerate((r['train'], r['val'])):
-        finite = [(s, v) for s, v in curve if math.isfinite(v)]
-        if finite:
-          axes[row][col].plot(*zip(*finite), linewidth=1, marker=(
-              '.' if len(finite) < 3 else None), **style)
+      color = colors[variant]
+      label = f'{variant} ({len(mine)} seed{"s" * (len(mine) > 1)})'
+      for row, key in enumerate(('train', 'val')):
+        ax = axes[row][col]
+        steps, low, high, (full, mean) = _over_seeds([r[key] for r in mine])
+        if len(mine) > 1:
+          ax.fill_between(steps, low, high, color=color, alpha=0.2,
+                          linewidth=0)
+        ax.plot(full, mean, color=color, linewidth=1.2,
+                marker='.' if len(full) < 3 else None,
+                label=label if row == 0 else None)
+        if key == 'val':  # each seed, a little apart from the others
+          shift = (i - (len(variants) - 1) / 2) * 0.01 * mine[0]['steps']
+          dots = [(s + shift, v) for r in mine for s, v in r['val']
+                  if math.isfinite(v)]
+          if dots:
+            ax.plot(*zip(*dots), linestyle='none', marker='o', markersize=2,
+                    color=color, alpha=0.6)
     for row, label in enumerate(('train loss', 'validation loss')):
       ax = axes[row][col]
       ax.set_title(f'lr {lr:g}: {label}')
@@ -351,7 +383,7 @@ def plot(runs: list[dict], variants: list[str], lrs: list[float],
   # The legend goes where the most runs are (not every lr runs every variant).
   fullest = max(axes[0], key=lambda ax: len(ax.get_legend_handles_labels()[0]))
   if fullest.get_legend_handles_labels()[0]:
-    fullest.legend(fontsize=7)
+    fullest.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -61,6 +61,26 @@ def test_report_means_seeds_and_compares_to_bf16(tmp_path):
   assert os.path.getsize(tmp_path / 'stability.png') > 10_000
 
 
+def test_report_gives_the_spread_of_two_seeds_from_three_on(tmp_path):
+  out = str(tmp_path)
+  for seed, coat in enumerate([2.02, 2.0, 1.98]):
+    _fake_run(out, 'bf16', 3e-3, seed, 2.0)
+    _fake_run(out, 'coat', 3e-3, seed, coat)
+  # Per seed +1%, 0%, -1%: standard deviation 1, so 1/sqrt(3) for the mean
+  # of three and 1/sqrt(2) for a mean of two.
+  assert '| coat | +0.00% +- 0.58 (3 seeds; two seeds +- 0.71) |' in (
+      stability.report(out))
+
+
+def test_curves_over_seeds_end_where_a_seed_diverged():
+  steps, low, high, (full, mean) = stability._over_seeds([
+      [(10, 3.0), (20, 2.0), (30, 1.0)],
+      [(10, 5.0), (20, math.nan), (30, math.inf)]])
+  assert steps == [10, 20, 30]
+  assert low == [3.0, 2.0, 1.0] and high == [5.0, 2.0, 1.0]
+  assert full == [10] and mean == [4.0]
+
+
 def test_unfinished_runs_are_not_finished(tmp_path):
   done = stability.read_run(_fake_run(str(tmp_path), 'bf16', 1e-3, 0, 2.0))
   assert stability.is_finished(done)
