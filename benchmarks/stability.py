@@ -317,9 +317,10 @@ def _paired_table(finals: dict, variants: list[str],
 
 
 def _over_seeds(curves: list[list[tuple[int, float]]]):
-  """(steps, mean, low, high) of curves [(step, loss)] of several seeds:
-  low and high over the finite losses at each step, the mean only at steps
-  where every seed's loss is finite (it ends where a seed diverged)."""
+  """(steps, low, high, mean_steps, mean) of curves [(step, loss)] of
+  several seeds: low and high over the finite losses at each step, the mean
+  only at the steps where every seed's loss is finite (it ends where a seed
+  diverged)."""
   by_step = {}
   for curve in curves:
     for step, loss in curve:
@@ -328,8 +329,8 @@ def _over_seeds(curves: list[list[tuple[int, float]]]):
   steps = sorted(by_step)
   full = [s for s in steps if len(by_step[s]) == len(curves)]
   return (steps, [min(by_step[s]) for s in steps],
-          [max(by_step[s]) for s in steps],
-          (full, [statistics.mean(by_step[s]) for s in full]))
+          [max(by_step[s]) for s in steps], full,
+          [statistics.mean(by_step[s]) for s in full])
 
 
 def plot(runs: list[dict], variants: list[str], lrs: list[float],
@@ -355,7 +356,7 @@ def plot(runs: list[dict], variants: list[str], lrs: list[float],
       label = f'{variant} ({len(mine)} seed{"s" * (len(mine) > 1)})'
       for row, key in enumerate(('train', 'val')):
         ax = axes[row][col]
-        steps, low, high, (full, mean) = _over_seeds([r[key] for r in mine])
+        steps, low, high, full, mean = _over_seeds([r[key] for r in mine])
         if len(mine) > 1:
           ax.fill_between(steps, low, high, color=color, alpha=0.2,
                           linewidth=0)

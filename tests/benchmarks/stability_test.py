@@ -73,7 +73,7 @@ def test_report_gives_the_spread_of_two_seeds_from_three_on(tmp_path):
 
 
 def test_curves_over_seeds_end_where_a_seed_diverged():
-  steps, low, high, (full, mean) = stability._over_seeds([
+  steps, low, high, full, mean = stability._over_seeds([
       [(10, 3.0), (20, 2.0), (30, 1.0)],
       [(10, 5.0), (20, math.nan), (30, math.inf)]])
   assert steps == [10, 20, 30]
