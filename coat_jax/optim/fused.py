@@ -8,15 +8,19 @@ kernel on a Hopper GPU, its jnp reference elsewhere).
 """
 
 from collections.abc import Callable
+import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import optax
 from optax._src import numerics
 
 from coat_jax.optim import moments
 from coat_jax.optim.coat_adam import ScaleByCoatAdamState
+from pallas_kernels import _common
 from pallas_kernels.coat_adam_step import api as fused_step
 
 
@@ -32,8 +36,8 @@ def fused_coat_adamw(
     expansion: bool = True,
     implementation: str | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-  """`apply(grads, state, params, apply_if=True, grad_scale=1.0) ->
-  (new_params, new_state)`.
+  """`apply(grads, state, params, apply_if=True, grad_scale=1.0, specs=None)
+  -> (new_params, new_state)`.
 
   The state is that of `coat_adamw(...)` with the same arguments (FP8
   moments in both slots); the result equals `tx.update` followed by
@@ -57,9 +61,20 @@ def fused_coat_adamw(
   stack): where the Pallas kernel runs, each layer then takes its step in
   place in the stacked param and moments, and no stacked copy of the
   gradients is ever written; XLA's version stacks them first.
+
+  `specs` (a tree like params of `PartitionSpec`s over the mesh of the
+  caller's `jax.set_mesh`, as the state is placed) lets the kernel run on
+  several devices: each device steps its own shard of every leaf inside
+  `jax.shard_map` (a bare pallas_call under a multi-device jit would be
+  replicated), where otherwise XLA's version runs. It takes effect with
+  implementation 'pallas', or None on GPUs that run the Pallas kernels, for
+  each leaf whose spec keeps the moments' groups whole on every device (a
+  sharded last axis split into whole groups; a stack's layer axis not
+  sharded). The step is elementwise within a group, so the results are
+  those of the kernel on the whole arrays.
   """
 
-  def apply(grads, state, params, apply_if=True, grad_scale=1.0):
+  def apply(grads, state, params, apply_if=True, grad_scale=1.0, specs=None):
     adam, decay_state, lr_state = state
     if not isinstance(adam, ScaleByCoatAdamState):
       raise TypeError('state must come from coat_adamw(...).init, got'
@@ -84,32 +99,57 @@ def fused_coat_adamw(
       raise ValueError('fused_coat_adamw needs FP8 moments in both slots'
                        ' (moment_dtypes without "float32").')
 
-    def step_leaf(p, g, m, v, d):
-      kw = dict(learning_rate=lr, b1=b1, b2=b2, eps=eps,
-                weight_decay=weight_decay if d else None,
-                group_size=group_size, expansion=expansion, apply=apply_if,
-                implementation=implementation, grad_scale=grad_scale)
+    scalars = (count, lr, apply_if, grad_scale)
+
+    def step_leaf(p, g, m, v, d, spec):
+      """One leaf's step; with `spec`, the kernel on each device's shard."""
+      impl = implementation if spec is None else 'pallas'
+
+      def kernel_step(p, g, m, v, scalars, layer=None):
+        count, lr, apply_if, grad_scale = scalars
+        return fused_step.coat_adam_step(
+            p, g, m, v, count, learning_rate=lr, b1=b1, b2=b2, eps=eps,
+            weight_decay=weight_decay if d else None, group_size=group_size,
+            expansion=expansion, apply=apply_if, implementation=impl,
+            grad_scale=grad_scale, layer=layer)
+
+      def run(p, g, m, v, layer=None):
+        if spec is None:
+          return kernel_step(p, g, m, v, scalars, layer)
+        g_spec = spec if layer is None else P(*spec[1:])
+        return jax.shard_map(  # the scalars as arrays, on every device
+            functools.partial(kernel_step, layer=layer),
+            in_specs=(spec, g_spec, spec, spec, P()),
+            out_specs=(spec, spec, spec), check_vma=False)(
+                p, g, m, v, jax.tree.map(jnp.asarray, scalars))
+
       if not isinstance(g, tuple | list):
-        return fused_step.coat_adam_step(p, g, m, v, count, **kw)
+        return run(p, g, m, v)
       if p.ndim < 1 or len(g) != p.shape[0]:
         raise ValueError(
             f'grads hold {len(g)} per-layer gradients for a param of shape'
             f' {p.shape}: a stacked param (L, ...) takes exactly L.')
-      if not fused_step.runs_kernel(p.dtype, group_size, implementation):
+      if not fused_step.runs_kernel(p.dtype, group_size, impl):
         # The jnp step would rewrite the whole stack for each layer; XLA
         # did so in a transposed copy of it under data parallelism (1b, 2
         # GPUs, compiled: 17.55 GiB per device against 8.09 stacked).
-        return fused_step.coat_adam_step(p, jnp.stack(g), m, v, count, **kw)
+        return run(p, jnp.stack(g), m, v)
       for layer, g_layer in enumerate(g):  # in place, layer by layer
-        p, m, v = fused_step.coat_adam_step(p, g_layer, m, v, count,
-                                            layer=layer, **kw)
+        p, m, v = run(p, g_layer, m, v, layer)
       return p, m, v
 
+    mesh = _shard_mesh(specs, implementation)
+    spec_leaves = (treedef.flatten_up_to(specs) if mesh is not None
+                   else [None] * treedef.num_leaves)
     out = []
-    for p, g, m, v, d in zip(
+    for p, g, m, v, d, spec in zip(
         jax.tree.leaves(params), moments.per_param(params, grads), mus, nus,
-        treedef.flatten_up_to(decay), strict=True):
-      if not fused_step.runs_kernel(p.dtype, group_size, implementation):
+        treedef.flatten_up_to(decay), spec_leaves, strict=True):
+      if spec is not None and not _whole_groups(
+          spec, p, isinstance(g, tuple | list), mesh, group_size):
+        spec = None
+      if spec is None and not fused_step.runs_kernel(
+          p.dtype, group_size, implementation):
         # XLA's steps: one leaf after the other, each once its gradient
         # exists. Otherwise XLA decoded the moments during backward (into
         # four byte masks an element, alive at the step's peak) and
@@ -118,7 +158,7 @@ def fused_coat_adamw(
         # device, after the norm's `reduced_now`). The kernel steps in place.
         out[-1:], (p, g, m, v) = jax.lax.optimization_barrier(
             (out[-1:], (p, g, m, v)))
-      out.append(step_leaf(p, g, m, v, d))
+      out.append(step_leaf(p, g, m, v, d, spec))
     new = lambda i, old: treedef.unflatten(
         [moments.like(o[i], m) for o, m in zip(out, old)])
     kept_count = jnp.where(apply_if, count, adam.count)
@@ -128,3 +168,38 @@ def fused_coat_adamw(
                     decay_state, lr_state)
 
   return apply
+
+
+def _shard_mesh(specs: Any, implementation: str | None):
+  """The caller's mesh if `specs` are given and its devices run the Pallas
+  step on their shards (several devices; 'pallas', or None on GPUs that run
+  the kernels), else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if specs is None or mesh.empty or mesh.size == 1:
+    return None
+  if implementation == 'pallas' or (implementation is None
+                                    and _common.gpus_run_pallas()):
+    return mesh
+  return None
+
+
+def _whole_groups(spec: P, param: jax.Array, per_layer: bool, mesh,
+                  group_size: int) -> bool:
+  """Whether the kernel can step `param` (with its moments) shard by shard
+  under `spec`: a fusable float32 leaf, every sharded axis divisible, the
+  last one into whole groups, and, for per-layer gradients, the layer axis
+  whole."""
+  if not fused_step.runs_kernel(param.dtype, group_size, 'pallas'):
+    return False
+  entries = tuple(spec) + (None,) * (param.ndim - len(spec))
+  if len(entries) != param.ndim or (per_layer and entries[0] is not None):
+    return False
+  for axis, (names, size) in enumerate(zip(entries, param.shape)):
+    if names is None:
+      continue
+    names = names if isinstance(names, tuple) else (names,)
+    shards = math.prod(mesh.shape[n] for n in names)
+    if size % shards or (axis == param.ndim - 1
+                         and (size // shards) % group_size):
+      return False
+  return True

@@ -83,10 +83,12 @@ def make_optimizer(config: config_lib.Config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
 
 
-def _fused_update(config: config_lib.Config):
+def _fused_update(config: config_lib.Config, specs: Any = None):
   """(grads, grad_norm, opt_state, params, apply_if) -> (params, opt_state)
   through `fused_coat_adamw`, on the state of `make_optimizer(config)`;
-  apply_if False leaves params and state as they are.
+  apply_if False leaves params and state as they are. `specs`: the params'
+  PartitionSpecs on the step's mesh (several GPUs then step each device's
+  shards with the Pallas kernel).
 
   The global-norm clipping of `make_optimizer` is folded into the kernel as
   a gradient scale (optax's clip writes a scaled copy of every gradient:
@@ -103,7 +105,8 @@ def _fused_update(config: config_lib.Config):
     clip_state, adamw_state = opt_state  # optax's clip keeps no state
     scale = jnp.where(grad_norm < o.clip_norm, 1.0,
                       o.clip_norm / grad_norm).astype(jnp.float32)
-    params, adamw_state = apply(grads, adamw_state, params, apply_if, scale)
+    params, adamw_state = apply(grads, adamw_state, params, apply_if, scale,
+                                specs)
     return params, (clip_state, adamw_state)
 
   return update
@@ -178,8 +181,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   names = {path: v.get_metadata().get('out_sharding') for path, v in
            nnx.to_flat_state(nnx.state(abstract_model, nnx.Param))}
   tx = make_optimizer(config)
-  fused_update = (_fused_update(config)
-                  if config_lib.uses_fused_optimizer(config.optim) else None)
+  uses_fused = config_lib.uses_fused_optimizer(config.optim)
 
   def model_params():
     return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
@@ -219,6 +221,8 @@ def build(config: config_lib.Config, devices=None) -> Setup:
            'step': jax.sharding.PartitionSpec(),
            'nonfinite': jax.sharding.PartitionSpec()}
   state_shardings = sharding.named(mesh, specs, abstract_state)
+  fused_update = (_fused_update(config, jax.tree.map(
+      lambda s: s.spec, state_shardings['params'])) if uses_fused else None)
   batch_sharding = sharding.batch_sharding(mesh)
   micro_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, None))

@@ -268,6 +268,8 @@ def _per_shard_against_xla(tiny_config, monkeypatch, n, data=1):
       jaxpr = str(jax.make_jaxpr(setup.train_step)(
           state, tokens[:, :-1], tokens[:, 1:]))
       assert (jaxpr.count('pallas_call') > 0) == per_shard
+      # The optimizer too steps each device's shard with its kernel.
+      assert ('coat_adam_step' in jaxpr) == per_shard
       if per_shard:
         colls = fsdp_bench.collectives(setup.train_step.lower(
             state, tokens[:, :-1], tokens[:, 1:]).compile().as_text())
