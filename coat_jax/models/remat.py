@@ -8,11 +8,12 @@ follow MaxText's `remat_policy`:
   Under the layer scan this stacks every residual of the layer body, including
   elementwise ones that XLA would recompute for unrolled layers.
 - 'minimal': keeps the projections' outputs (q, k, v, the attention output
-  projection with its skip connection added, SwiGLU's gate and up), the attention output and the flash
-  attention kernel's outputs, and in 'fp8_linear' and 'coat' modes the FP8
-  residuals of the custom_vjps (in 'coat' those replace the BF16 GEMM
-  outputs) and the weights' FP8 codes; recomputes elementwise work (norms,
-  RoPE, SwiGLU, residual adds) and never a GEMM.
+  projection with its skip connection added, SwiGLU's gate and up), the
+  attention output and the flash attention kernel's outputs, and in
+  'fp8_linear' and 'coat' modes the FP8 residuals of the custom_vjps (in
+  'coat' those replace the BF16 GEMM outputs) and the weights' FP8 codes;
+  recomputes elementwise work (norms, RoPE, SwiGLU, residual adds) and
+  never a GEMM.
 - 'minimal_offloaded': what 'minimal' keeps, moved to pinned host memory in
   forward and back in backward (GPU only: needs host memory spaces).
 - 'full': keeps only each layer's input; backward reruns the layer's whole

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 def _temps(stdout: str) -> dict[str, float]:
   """{variant: compiled temp GiB} from the printed table."""
-  rows = [l.split('|') for l in stdout.splitlines() if l.startswith('| ')]
+  rows = [line.split('|') for line in stdout.splitlines()
+          if line.startswith('| ')]
   return {r[1].strip(): float(r[2]) for r in rows[1:]}
 
 

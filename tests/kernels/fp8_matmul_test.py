@@ -118,12 +118,12 @@ def test_xla_gpu_folds_the_scale_into_cublaslt(out_dtype):
       a, b, sa, sb, out_dtype=out_dtype, implementation='xla')).lower(
           a, b, s, s).compile().as_text()
   entry = text[text.index('ENTRY'):]
-  gemms = [l for l in entry.splitlines() if 'custom-call(' in l]
+  gemms = [line for line in entry.splitlines() if 'custom-call(' in line]
   assert len(gemms) == 1 and '__cublas$lt$matmul$f8' in gemms[0], gemms
   operands = gemms[0].split('custom-call(')[1].split(')')[0].split(', ')
   assert 'constant' not in operands[2], operands  # a_scale: sa * sb
-  big = [l for l in entry.splitlines()
-         if ' fusion(' in l and '[2048,1024]' in l.split('=')[1].split(' ')[1]]
+  big = [line for line in entry.splitlines() if ' fusion(' in line
+         and '[2048,1024]' in line.split('=')[1].split(' ')[1]]
   assert not big, big
 
 

@@ -167,8 +167,8 @@ def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch):
   end of backward, 60 x 64 MiB per device; temp 15.38 -> 13.24 GiB). Not
   where the Pallas kernel sums in its own pass. The gradients are the
   same."""
-  from coat_jax.nn import residuals  # pylint: disable=g-import-not-at-top
   from coat_jax.nn import norm as norm_lib  # pylint: disable=g-import-not-at-top
+  from coat_jax.nn import residuals  # pylint: disable=g-import-not-at-top
   graph, state = nnx.split(cnn.CoatRMSNorm(64, rngs=nnx.Rngs(0)))
   x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
                         (32, 64), jnp.bfloat16)

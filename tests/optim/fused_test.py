@@ -160,7 +160,9 @@ def test_specs_step_each_devices_shard_as_the_whole_arrays():
   shards keep the moments' groups whole takes the Pallas step inside
   shard_map, per device (what several GPUs run): elementwise within a group,
   so the results equal the kernel's on the whole arrays, bit for bit."""
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
   from coat_jax.training import sharding  # noqa: PLC0415
   mesh = sharding.make_mesh((2, 4, 1))
   keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 5)
