@@ -159,21 +159,26 @@ def test_specs_step_each_devices_shard_as_the_whole_arrays():
   """With the params' specs under a mesh of several devices, each leaf whose
   shards keep the moments' groups whole takes the Pallas step inside
   shard_map, per device (what several GPUs run): elementwise within a group,
-  so the results equal the kernel's on the whole arrays, bit for bit."""
+  so the results are the kernel's on the whole arrays (to float rounding
+  here: XLA:CPU compiles the interpreted kernel per shape, and a few
+  elements of a (3, 4, 256) slice came out 1 ulp from the (3, 16, 256)
+  array's, without any mesh)."""
   from jax.sharding import NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
   from coat_jax.training import sharding  # noqa: PLC0415
   mesh = sharding.make_mesh((2, 4, 1))
-  keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 5)
+  keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 6)
   params = {'rows': jax.random.normal(keys[0], (16, 512)),
             'cols': jax.random.normal(keys[1], (4, 1024)),
             'split_groups': jax.random.normal(keys[2], (16, 384)),
             'stack': jax.random.normal(keys[3], (3, 16, 256)),
-            'whole': jax.random.normal(keys[4], (40,))}
+            'scanned': jax.random.normal(keys[4], (3, 16, 256)),
+            'whole': jax.random.normal(keys[5], (40,))}
   specs = {'rows': P('fsdp', None), 'cols': P(None, 'fsdp'),
            'split_groups': P(None, 'fsdp'),  # 96 a device: groups split
-           'stack': P(None, ('data', 'fsdp'), None), 'whole': P()}
+           'stack': P(None, ('data', 'fsdp'), None),
+           'scanned': P(None, 'fsdp'), 'whole': P()}
   kw = dict(learning_rate=optax.linear_schedule(1e-2, 1e-3, 5),
             weight_decay=0.1, mask={k: k != 'whole' for k in params})
   apply = coat_jax.optim.fused_coat_adamw(**kw, implementation='pallas')
@@ -197,17 +202,17 @@ def test_specs_step_each_devices_shard_as_the_whole_arrays():
       g = {**g, 'stack': tuple(g['stack'])}
       p2, s2 = sharded(g, s2, p2)
     text = str(jax.make_jaxpr(sharded)(g, s2, p2))
-  # rows, cols, whole, and the stack's three layers; not split_groups.
-  assert text.count('shard_map[') == 6
-  exact = lambda tree: {k: v for k, v in tree.items() if k != 'split_groups'}
-  per_param = lambda state: [exact(moment) for moment in (
-      state[0].mu, state[0].nu)]
-  for a, b in zip(jax.tree.leaves((exact(p2), per_param(s2))),
-                  jax.tree.leaves((exact(p), per_param(s)))):
-    np.testing.assert_array_equal(np.asarray(a, np.float32),
-                                  np.asarray(b, np.float32))
-  # XLA's version under the mesh: the same up to float rounding.
-  np.testing.assert_allclose(p2['split_groups'], p['split_groups'],
-                             rtol=1e-6)
+  # rows, cols, scanned (one stacked gradient), whole, and the stack's
+  # three layers; not split_groups.
+  assert text.count('shard_map[') == 7
+  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  for got, want in ((s2[0].mu, s[0].mu), (s2[0].nu, s[0].nu)):
+    for name in params:
+      codes, codes_want = (np.asarray(m[name].values, np.float32)
+                           for m in (got, want))
+      assert np.mean(codes == codes_want) > 0.999, name  # flips at ties
+      np.testing.assert_allclose(got[name].scale, want[name].scale,
+                                 rtol=1e-6)
   for name, shard in (('rows', (4, 512)), ('cols', (4, 256))):
     assert p2[name].sharding.shard_shape(p2[name].shape) == shard
