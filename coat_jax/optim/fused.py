@@ -100,6 +100,8 @@ def fused_coat_adamw(
                        ' (moment_dtypes without "float32").')
 
     scalars = (count, lr, apply_if, grad_scale)
+    # shard_map takes arrays: the same scalars on every device.
+    scalar_arrays = tuple(jnp.asarray(x) for x in scalars)
 
     def step_leaf(p, g, m, v, d, spec):
       """One leaf's step; with `spec`, the kernel on each device's shard."""
@@ -117,11 +119,11 @@ def fused_coat_adamw(
         if spec is None:
           return kernel_step(p, g, m, v, scalars, layer)
         g_spec = spec if layer is None else P(*spec[1:])
-        return jax.shard_map(  # the scalars as arrays, on every device
+        return jax.shard_map(
             functools.partial(kernel_step, layer=layer),
             in_specs=(spec, g_spec, spec, spec, P()),
             out_specs=(spec, spec, spec), check_vma=False)(
-                p, g, m, v, jax.tree.map(jnp.asarray, scalars))
+                p, g, m, v, scalar_arrays)
 
       if not isinstance(g, tuple | list):
         return run(p, g, m, v)
