@@ -89,7 +89,7 @@ def main():
   device = jax.devices()[0]
   print(f'jax {jax.__version__}, device {device.device_kind},'
         f' {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC')
-  runs = [('bf16', None), ('fp8_linear', 'xla'), ('coat', 'xla')]
+  runs = [('bf16', None), ('fp8_linear', None), ('coat', None)]
   if args.pallas:
     runs.append(('coat', 'pallas'))
   rows = []
