@@ -221,6 +221,8 @@ def build(config: config_lib.Config, devices=None) -> Setup:
            'step': jax.sharding.PartitionSpec(),
            'nonfinite': jax.sharding.PartitionSpec()}
   state_shardings = sharding.named(mesh, specs, abstract_state)
+  # The params' specs as placed (`sharding.named` fits each to its leaf's
+  # shape), which the optimizer's per-shard kernels must match.
   fused_update = (_fused_update(config, jax.tree.map(
       lambda s: s.spec, state_shardings['params'])) if uses_fused else None)
   batch_sharding = sharding.batch_sharding(mesh)
