@@ -170,6 +170,13 @@ def _amax_across(amax: jax.Array, axes) -> jax.Array:
   return _common.tensor_abs_max(jax.lax.all_gather(amax, axes))
 
 
+def grads_summed_across_devices() -> bool:
+  """Whether each weight's gradient is summed over several devices here
+  (an FSDP mesh whose batch axes hold more than one shard)."""
+  mesh = _mesh()
+  return mesh is not None and _batch_shards(mesh) > 1
+
+
 def pallas_on_shards(rows: int) -> bool:
   """Whether `row_wise` runs its kernel on each device's rows here: under
   an FSDP mesh of several batch shards (and 'tensor' 1), on GPUs that run

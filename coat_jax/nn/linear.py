@@ -264,12 +264,22 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
     # into the next GEMM's C operand (float32 parts and their casts: 1b
     # step 188.2 / 189.7 -> 185.9 ms on an H200, RESULTS.md "e2e-1b").
     dx = part if dx is None else dx + part
-    dkernels.append(fp8_matmul(
-        x_t, g_t, x_scale, g_scale, out_dtype=w_dtype,
-        implementation=implementation))
+    dkernels.append(_wgrad(x_t, g_t, x_scale, g_scale, w_dtype, dtype,
+                           implementation))
   if fused:
     dkernels = _split_columns(dkernels[0], [g.shape[1] for g in grads])
   return dx, tuple(dkernels), None  # x_amax: a statistic, no gradient
+
+
+def _wgrad(x_t, g_t, x_scale, g_scale, w_dtype, grad_dtype, implementation):
+  """The weight gradient x^T g in w_dtype. Where it is summed over several
+  devices (`fsdp.grads_summed_across_devices`), the GEMM writes grad_dtype
+  (bf16) and the cast follows, so that XLA sums it over the devices in bf16,
+  half float32's bytes, as a BF16 model's autodiff does."""
+  out_dtype = (grad_dtype if fsdp.grads_summed_across_devices()
+               else w_dtype)
+  return fp8_matmul(x_t, g_t, x_scale, g_scale, out_dtype=out_dtype,
+                    implementation=implementation).astype(w_dtype)
 
 
 _fp8_dense_2d.defvjp(_fp8_dense_2d_fwd, _fp8_dense_2d_bwd)
@@ -409,9 +419,8 @@ def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
                     implementation=implementation, c=dx)
     # wgrad: K of the GEMM is the tokens; x^T tiled along them (a scale per
     # row per 128 tokens), g^T in 128x128 blocks.
-    dkernels.append(fp8_matmul(
-        x_t, g_t, x_t_scales, g_t_scales, out_dtype=w_dtype,
-        implementation=implementation))
+    dkernels.append(_wgrad(x_t, g_t, x_t_scales, g_t_scales, w_dtype,
+                           dtype, implementation))
   if fused:
     dkernels = _split_columns(dkernels[0], widths)
   return dx[:rows], tuple(dkernels), d_addend

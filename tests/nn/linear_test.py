@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import coat_jax.nn as cnn
+from coat_jax.nn import linear
 from coat_jax.quant import fp8_max
+from coat_jax.training import sharding
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.quantize_blockwise import reference as block_reference
 
@@ -579,3 +581,26 @@ def test_gpu_block_layer_default_path_matches_xla(widths):
   for a, b, r in zip(fast, slow, ref):
     assert _rel(a, b) < 1e-2
     assert _rel(a, r) < 0.09
+
+
+def test_weight_grads_summed_across_devices_leave_their_gemm_in_bf16():
+  """Under a mesh whose batch spans several devices the FP8 weight gradient
+  is written in bf16 (so XLA sums it over the devices in bf16) and cast to
+  the weight's float32; on one device it stays float32 throughout."""
+  kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(kx, (64, 32), jnp.bfloat16)
+  w = jax.random.normal(kw, (32, 48), jnp.float32)
+  dy = jax.random.normal(kg, (64, 48), jnp.float32)
+  loss = lambda w, x: (linear.fp8_dense(x, [w])[0].astype(jnp.float32)
+                       * dy).sum()
+  grad = jax.jit(jax.grad(loss))
+  in_bf16 = lambda g: np.array_equal(
+      np.asarray(g), np.asarray(g.astype(jnp.bfloat16).astype(jnp.float32)))
+  one = grad(w, x)
+  assert one.dtype == jnp.float32 and not in_bf16(one)
+  for shape in ((1, 8, 1), (8, 1, 1), (1, 4, 2)):
+    with jax.set_mesh(sharding.make_mesh(shape)):
+      summed = grad(w, x)
+    assert summed.dtype == jnp.float32 and in_bf16(summed), shape
+    assert np.all(np.isfinite(np.asarray(summed)))
+    np.testing.assert_allclose(summed, one, rtol=2**-8, atol=1e-6)
