@@ -123,6 +123,9 @@ class Setup:
   state_shardings: Any
   abstract_state: Any
   init_state: Any  # () -> state, placed with the state shardings.
+  # (state, inputs, targets) -> (state, metrics). On several devices its
+  # jit carries XLA compiler options (`collective_options`): call it at top
+  # level (jax refuses them inside another jit or trace).
   train_step: Any
   eval_step: Any
   # train_step's `.lower` (for ahead-of-time compiles; kept apart so that
@@ -152,6 +155,25 @@ def check_deterministic_layers(model: llama.LlamaConfig,
         ' first step with unrolled layers (cuDNN flash attention\'s backward'
         ' more than once in one program): set model.scan_layers=true (the'
         ' same model under a layer scan, which runs), or drop the flag.')
+
+
+# XLA's GPU scheduler lets one async collective run at a time unless told
+# otherwise; with four, the FSDP step's gradient reduce-scatters run under
+# the next layers' GEMMs (Llama-2-7B dims, coat, FSDP on 2 H200s: NCCL time
+# not hidden 48.8 -> 38.5 ms a step, 279.9 -> 275.0 ms; benchmarks/
+# RESULTS.md "fsdp-4"). One device has no collectives to overlap.
+COLLECTIVE_OVERLAP_FLAG = (
+    'xla_gpu_experimental_parallel_collective_overlap_limit')
+COLLECTIVE_OVERLAP_LIMIT = 4
+
+
+def collective_options(num_devices: int, xla_flags: str = '') -> dict:
+  """XLA compiler options for a train step over `num_devices`: the
+  collective overlap limit on several devices, unless `xla_flags` (the
+  XLA_FLAGS in effect) sets it; {} otherwise."""
+  if num_devices == 1 or f'--{COLLECTIVE_OVERLAP_FLAG}' in xla_flags:
+    return {}
+  return {COLLECTIVE_OVERLAP_FLAG: COLLECTIVE_OVERLAP_LIMIT}
 
 
 def build(config: config_lib.Config, devices=None) -> Setup:
@@ -306,7 +328,9 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   train_step = jax.jit(
       train_step, in_shardings=(state_shardings, batch_sharding,
                                 batch_sharding),
-      out_shardings=(state_shardings, replicated), donate_argnums=0)
+      out_shardings=(state_shardings, replicated), donate_argnums=0,
+      compiler_options=collective_options(
+          mesh.size, os.environ.get('XLA_FLAGS', '')))
   return Setup(
       config=config, mesh=mesh, graphdef=graphdef, tx=tx,
       state_shardings=state_shardings, abstract_state=abstract_state,

@@ -427,3 +427,18 @@ def test_two_processes_match_one(tmp_path):
   multi = _losses(tmp_path / 'multi')
   assert len(multi) == 3  # one process writes the log
   np.testing.assert_allclose(multi, _losses(tmp_path / 'single'), rtol=1e-5)
+
+
+def test_several_devices_let_collectives_overlap():
+  """A train step over several devices asks XLA for several async
+  collectives at once (what lets FSDP's reduce-scatters run under GEMMs),
+  unless XLA_FLAGS sets the limit; one device asks nothing. The options
+  compile (8 CPU devices)."""
+  flag = trainer.COLLECTIVE_OVERLAP_FLAG
+  assert trainer.collective_options(1) == {}
+  assert trainer.collective_options(2) == {flag: 4}
+  assert trainer.collective_options(8, '--xla_foo=1') == {flag: 4}
+  assert trainer.collective_options(8, f'--{flag}=2 --xla_foo=1') == {}
+  f = jax.jit(lambda x: x.sum(), compiler_options=trainer.collective_options(
+      len(jax.devices())))
+  assert float(f(jnp.ones(8))) == 8.0
