@@ -27,7 +27,10 @@ device (`coat_jax.training.memory.breakdown`: state, temporaries, batch),
 device bytes in use after placing the state, the state's sharding (bytes
 per device against total / n, and the replicated leaves) and the compiled
 step's collectives by kind and dtype (`collectives`, also used by
-tests/training/fsdp_test.py). Tokens are random.
+tests/training/fsdp_test.py). With --profile it also traces three steps
+and records the first GPU's NCCL kernel time per step by collective, and
+how much of it no compute kernel covers
+(`step_profile.collectives_by_kind`). Tokens are random.
 
   PYTHONPATH=. python benchmarks/fsdp.py --out runs/fsdp.jsonl --budget-s 540
 
@@ -57,6 +60,7 @@ from benchmarks import e2e
 RESULT = 'FSDP_RESULT '
 PARTS = ('equal', 'gather', 'restore', 'max', 'scaling', 'big')
 GATHER_RUN = ('coat_fp8_gather', 'coat', ['model.fp8_weight_gather=true'])
+PROFILE_STEPS = 3  # traced after the timed steps (--profile)
 
 # ---------------------------------------------------------------- HLO
 
@@ -242,6 +246,15 @@ def run_train_point(p: dict) -> dict:
                                                 p['steps'])
     state, metrics = compiled(state, *batch)
     loss = float(metrics['loss'])
+    nccl = None
+    if p.get('profile'):
+      trace_dir = tempfile.mkdtemp(prefix='fsdp_trace_')
+      with jax.profiler.trace(trace_dir):
+        for _ in range(PROFILE_STEPS):
+          state, metrics = compiled(state, *batch)
+        jax.block_until_ready(metrics)
+      nccl = step_profile.collectives_by_kind(trace_dir, PROFILE_STEPS)
+      shutil.rmtree(trace_dir, ignore_errors=True)
   peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use')
            for d in devices]
   n = len(devices)
@@ -255,7 +268,7 @@ def run_train_point(p: dict) -> dict:
       peak_bytes_per_device=peaks, step_bytes=step_bytes,
       bytes_in_use_after_init=max(in_use) if all(in_use) else None,
       compile_s=compile_s, init_s=init_s, loss=loss, sharding=placed,
-      collectives=hlo)
+      collectives=hlo, **({} if nccl is None else {'nccl': nccl}))
 
 
 def run_restore_point(p: dict) -> dict:
@@ -295,7 +308,8 @@ def copy_checkpoint(src_run: str, step: int, dst_run: str) -> None:
 
 
 POINT_FIELDS = ('kind', 'part', 'name', 'mode', 'preset', 'seq', 'batch',
-                'devices', 'overrides', 'steps', 'at', 'mem_fraction')
+                'devices', 'overrides', 'steps', 'at', 'mem_fraction',
+                'profile')
 
 
 def point_key(p: dict) -> str:
@@ -397,7 +411,8 @@ def describe(r: dict) -> str:
 def plan(sweep: Sweep, args, n: int) -> None:
   """Runs the parts of --parts in order."""
   runs = e2e.runs_from_args(args.modes, args.variants)
-  base = dict(kind='train', seq=args.seq, steps=args.steps)
+  base = dict(kind='train', seq=args.seq, steps=args.steps,
+              **({'profile': True} if args.profile else {}))
 
   def train(part, name, preset, devices, batch):
     mode, overrides = ([GATHER_RUN[1], GATHER_RUN[2]] if name == GATHER_RUN[0]
@@ -619,6 +634,25 @@ def tables(records: list[dict]) -> str:
         cells.append(f'{c["count"]}, {c["bytes"] / 2**20:.1f},'
                      f' {c["in_loops"]}' if c else '')
       out.append(f'| {k} | ' + ' | '.join(cells) + ' |')
+  profiled = [r for r in ok if r.get('nccl') is not None]
+  if profiled:
+    out.append('\nNCCL kernels on the first GPU (--profile, 3 traced steps):'
+               ' ms a step, of which no compute kernel runs beside them'
+               ' ("not hidden"), by collective:\n')
+    kinds = sorted({k for r in profiled for k in r['nccl']})
+    out.append('| run | devices | batch | step ms | NCCL ms | not hidden ms'
+               ' (sum) | ' + ' | '.join(f'{k} ms (not hidden)' for k in kinds)
+               + ' |')
+    out.append('|---' * (6 + len(kinds)) + '|')
+    for r in profiled:
+      per = r['nccl']
+      cells = [f'{per[k][1]:.1f} ({per[k][2]:.1f})' if k in per else ''
+               for k in kinds]
+      out.append(
+          f'| {r["name"]} {r["preset"]} | {r["devices"]} | {r["batch"]} |'
+          f' {r["step_ms"]:.1f} | {sum(v[1] for v in per.values()):.1f} |'
+          f' {sum(v[2] for v in per.values()):.1f} | ' + ' | '.join(cells)
+          + ' |')
   restores = [r for r in records if r['kind'] == 'restore']
   if restores:
     out.append('\nCheckpoint restored on fewer devices (coat): loss per'
@@ -674,6 +708,10 @@ def main(argv=None) -> int:
   parser.add_argument('--out')
   parser.add_argument('--fresh', action='store_true')
   parser.add_argument('--report-only', metavar='FILE')
+  parser.add_argument('--profile', action='store_true',
+                      help='trace 3 steps of each train point: NCCL time'
+                      ' per collective on the first GPU, and how much of it'
+                      ' compute does not hide')
   parser.add_argument('--point', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.point:

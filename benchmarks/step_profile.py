@@ -160,10 +160,55 @@ def exposed_collectives(trace_dir, steps):
 def uncovered(intervals, others):
   """How much of the union of `intervals` no interval of `others` covers
   ((start, end) pairs, the same unit)."""
-  busy = _union(others)
+  return _uncovered_by(intervals, _union(others))
+
+
+def _uncovered_by(intervals, busy):
+  """`uncovered` against `busy`, already a `_union`."""
   return sum(end - start - sum(max(0, min(end, b) - max(start, a))
                                for a, b in busy)
              for start, end in _union(intervals))
+
+
+# NCCL kernel names (ncclDevKernel_AllGather_RING_LL, ..._ReduceScatter_
+# Sum_bf16_...), lower-cased, and the collective each runs.
+_NCCL_KINDS = (('allgather', 'all-gather'), ('reducescatter', 'reduce-scatter'),
+               ('allreduce', 'all-reduce'), ('alltoall', 'all-to-all'),
+               ('sendrecv', 'send-recv'))
+
+
+def nccl_kind(name: str) -> str:
+  """The collective an NCCL kernel runs ('all-gather', ...; 'other')."""
+  low = name.lower()
+  return next((kind for key, kind in _NCCL_KINDS if key in low), 'other')
+
+
+def split_by_kind(collectives, compute, steps):
+  """{kind: (kernels, ms, ms that no compute interval covers), each per
+  step} from (kind, (start_ns, end_ns)) collective kernels and the
+  (start_ns, end_ns) compute kernels of one GPU over `steps` steps."""
+  busy = _union(compute)
+  by_kind = collections.defaultdict(list)
+  for kind, interval in collectives:
+    by_kind[kind].append(interval)
+  return {kind: (len(ivs) / steps,
+                 sum(end - start for start, end in ivs) / 1e6 / steps,
+                 _uncovered_by(ivs, busy) / 1e6 / steps)
+          for kind, ivs in sorted(by_kind.items())}
+
+
+def collectives_by_kind(trace_dir, steps):
+  """`split_by_kind` of the first GPU of a trace ({} without GPUs)."""
+  devices = _gpu_streams(trace_dir)
+  collectives, compute = [], []
+  for line in devices[0] if devices else []:
+    for e in line.events:
+      interval = (e.start_ns, e.start_ns + e.duration_ns)
+      if classify(e.name) == NCCL:
+        collectives.append((nccl_kind(e.name), interval))
+      else:
+        compute.append(interval)
+  return split_by_kind(collectives, compute, steps)
 
 
 def kernel_gaps(trace_dir, steps, top=8):

@@ -96,6 +96,18 @@ def test_tables_ratios_sharding_and_restore():
   assert '| fsdp4_to_2 | 3 | 1.5030 | 2.00e-03 |' in text
 
 
+def test_profiled_points_table_nccl_time_by_collective():
+  coat = _train('coat', 2, 4, 15000.0, 33 * 2**30)
+  coat['step_ms'] = 268.9
+  coat['nccl'] = {'all-gather': [465.0, 41.95, 20.91],
+                  'reduce-scatter': [160.0, 39.4, 11.47]}
+  bf16 = _train('bf16', 2, 4, 8000.0, 62 * 2**30)  # not profiled
+  text = fsdp.tables([coat, bf16])
+  assert ('| coat llama2_7b | 2 | 4 | 268.9 | 81.3 | 32.4 | 42.0 (20.9) |'
+          ' 39.4 (11.5) |') in text
+  assert '| bf16 llama2_7b |' not in text
+
+
 def test_scaling_and_fp8_gather_tables():
   gather = _train('coat_fp8_gather', 8, 8, 1200.0, 20 * 2**30,
                   part='gather')
@@ -131,7 +143,7 @@ def test_one_point_on_cpu_devices(tmp_path, capsys):
   argv = ['--preset', 'tiny', '--seq', '32', '--steps', '1', '--modes',
           'coat', '--parts', 'equal', '--set', 'model.num_layers=1',
           'model.hidden_size=128', 'optim.group_size=16',
-          '--out', str(out)]
+          '--profile', '--out', str(out)]
   assert fsdp.main(argv) == 0
   (r,) = fsdp.e2e.load_records(out)
   assert r['status'] == 'ok', r
@@ -140,6 +152,7 @@ def test_one_point_on_cpu_devices(tmp_path, capsys):
   assert params['devices'] == 8
   assert params['per_device'] < params['total'] / 7
   assert any(k.startswith('all-gather') for k in r['collectives'])
+  assert r['profile'] and r['nccl'] == {}  # traced; no GPU kernels on CPU
   assert '| equal | coat | tiny | 8 | 8 |' in capsys.readouterr().out
   assert fsdp.main(argv) == 0
   assert f'(from {out})' in capsys.readouterr().out

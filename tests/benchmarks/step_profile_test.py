@@ -19,3 +19,20 @@ def test_uncovered_counts_collective_time_that_no_kernel_hides():
   assert step_profile.uncovered([(2, 8)], compute) == 0
   assert step_profile.uncovered([], compute) == 0
   assert step_profile.uncovered([(0, 7)], []) == 7
+
+
+def test_nccl_kernels_by_collective_with_their_time_not_hidden():
+  names = {'ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)':
+           'all-gather',
+           'ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL': 'reduce-scatter',
+           'ncclDevKernel_AllReduce_Sum_f32_RING_LL': 'all-reduce',
+           'ncclDevKernel_SendRecv': 'send-recv', 'ncclKernel_Foo': 'other'}
+  for name, kind in names.items():
+    assert step_profile.nccl_kind(name) == kind
+  compute = [(0, 10e6), (30e6, 40e6)]  # busy 0-10 and 30-40 ms
+  collectives = [('all-gather', (5e6, 15e6)), ('all-gather', (35e6, 50e6)),
+                 ('reduce-scatter', (12e6, 20e6))]
+  got = step_profile.split_by_kind(collectives, compute, steps=2)
+  assert got == {'all-gather': (1.0, 12.5, 7.5),  # (5 + 10) / 2 ms
+                 'reduce-scatter': (0.5, 4.0, 4.0)}
+  assert step_profile.split_by_kind([], compute, 1) == {}
