@@ -287,11 +287,16 @@ def test_grad_amax_slot_takes_max_abs_g_from_its_cotangent(shape):
                                 np.asarray(y0, np.float32))
   amax = jnp.abs(dy.astype(jnp.float32)).max()
   want = vjp0(dy)
-  for got in (vjp((dy, amax)), jax.jit(jax.grad(
-      lambda x, w, r: jnp.vdot(cnn.fill_grad_amax_slot(*run(x, w, r)), dy
-                               ).astype(jnp.float32), argnums=(0, 1, 2)))(
-                                   x, w, r)):
-    for a, b in zip(got, want, strict=True):
+  # Jitted against jitted: under one jit XLA computes a few elements of
+  # dx otherwise than op by op, with or without the slot (np.random seed
+  # 47: 29 of 4736, up to 5 bf16 ulps).
+  grad = lambda f: jax.jit(jax.grad(
+      lambda x, w, r: jnp.vdot(f(x, w, r), dy).astype(jnp.float32),
+      argnums=(0, 1, 2)))(x, w, r)
+  for got, expected in (
+      (vjp((dy, amax)), want),
+      (grad(lambda *a: cnn.fill_grad_amax_slot(*run(*a))), grad(plain))):
+    for a, b in zip(got, expected, strict=True):
       np.testing.assert_array_equal(np.asarray(a, np.float32),
                                     np.asarray(b, np.float32))
   dx, dw, _ = vjp((dy, 3 * amax))  # another scale: other E5M2 codes
