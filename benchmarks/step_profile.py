@@ -144,15 +144,26 @@ def _union(intervals):
   return out
 
 
+def _first_gpu_kernels(trace_dir):
+  """([(collective kind, (start_ns, end_ns))] of the NCCL kernels,
+  [(start_ns, end_ns)] of the others) on the first GPU of a trace."""
+  devices = _gpu_streams(trace_dir)
+  collectives, compute = [], []
+  for line in devices[0] if devices else []:
+    for e in line.events:
+      interval = (e.start_ns, e.start_ns + e.duration_ns)
+      if classify(e.name) == NCCL:
+        collectives.append((nccl_kind(e.name), interval))
+      else:
+        compute.append(interval)
+  return collectives, compute
+
+
 def exposed_collectives(trace_dir, steps):
   """(NCCL kernel ms per step, of which ms with no other kernel running)
   on the first GPU of a trace: collectives that compute does not hide."""
-  devices = _gpu_streams(trace_dir)
-  nccl, compute = [], []
-  for line in devices[0] if devices else []:
-    for e in line.events:
-      kind = nccl if classify(e.name) == NCCL else compute
-      kind.append((e.start_ns, e.start_ns + e.duration_ns))
+  collectives, compute = _first_gpu_kernels(trace_dir)
+  nccl = [interval for _, interval in collectives]
   total = sum(end - start for start, end in nccl)
   return total / 1e6 / steps, uncovered(nccl, compute) / 1e6 / steps
 
@@ -199,16 +210,7 @@ def split_by_kind(collectives, compute, steps):
 
 def collectives_by_kind(trace_dir, steps):
   """`split_by_kind` of the first GPU of a trace ({} without GPUs)."""
-  devices = _gpu_streams(trace_dir)
-  collectives, compute = [], []
-  for line in devices[0] if devices else []:
-    for e in line.events:
-      interval = (e.start_ns, e.start_ns + e.duration_ns)
-      if classify(e.name) == NCCL:
-        collectives.append((nccl_kind(e.name), interval))
-      else:
-        compute.append(interval)
-  return split_by_kind(collectives, compute, steps)
+  return split_by_kind(*_first_gpu_kernels(trace_dir), steps)
 
 
 def kernel_gaps(trace_dir, steps, top=8):
