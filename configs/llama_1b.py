@@ -1,10 +1,11 @@
 """A 1B Llama (TinyLlama shape) in coat mode (one or more GPUs).
 
-Unrolled layers (the default) without remat: the fastest measured on one
-H200 (90.3K tokens/s at batch 8, 1.22x a plain BF16 Llama, 20.1 GiB;
-89.9K with remat minimal, 79.5K with scanned layers; benchmarks/RESULTS.md
-"e2e-1b"). Scanned layers compile in ~4 s instead of ~28 s:
---set model.scan_layers=true.
+Unrolled layers (the default) without remat (`model.remat='auto'` stands
+for 'none' there): the fastest measured on one H200, 96.2K tokens/s at
+batch 8, 1.30x a plain BF16 Llama, 19.9 GiB (benchmarks/RESULTS.md
+"e2e-1b"). Scanned layers compile in ~6 s instead of ~18 s:
+--set model.scan_layers=true, where 'auto' stands for remat 'full' (74.8K
+tokens/s, 10.9 GiB; with --set model.remat=minimal 85.1K, 22.0 GiB).
 """
 
 from coat_jax.training import Config
@@ -16,7 +17,7 @@ from coat_jax.training import TrainConfig
 
 def get_config() -> Config:
   return Config(
-      model=ModelConfig(preset='1b', precision='coat', remat='none'),
+      model=ModelConfig(preset='1b', precision='coat'),
       optim=OptimConfig(learning_rate=3e-4, warmup_steps=50),
       data=DataConfig(seq_len=2048),
       train=TrainConfig(steps=300, batch_size=8, eval_every=100,

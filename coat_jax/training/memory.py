@@ -31,7 +31,9 @@ class MemoryBreakdown:
   temporaries. activations: the rest of the temporaries (saved activations,
   backward's working set, XLA's scratch). total: XLA's peak for the step.
   limit: what XLA may allocate on the device (None where unknown, as on
-  CPU without --memory-limit-gib).
+  CPU without --memory-limit-gib). layers: how the decoder layers run
+  (e.g. "unrolled, remat 'none'"; 'auto' resolved), printed with the
+  activations; '' where unknown.
   """
 
   params: int
@@ -40,6 +42,7 @@ class MemoryBreakdown:
   activations: int
   total: int
   limit: int | None
+  layers: str = ''
 
   @property
   def fits(self) -> bool:
@@ -53,6 +56,8 @@ class MemoryBreakdown:
             ('activations and temporaries', self.activations)]
     lines = ['memory per device (compiled train step):']
     lines += [f'  {name:<28} {_size(size)}' for name, size in rows]
+    if self.layers:
+      lines[-1] += f'  ({self.layers})'
     limit = ('(no device limit known)' if self.limit is None
              else f'of {_size(self.limit).strip()} the device allows'
              f' ({self.total / self.limit:.0%})')
@@ -112,7 +117,19 @@ def breakdown(setup: Any, compiled,
   return MemoryBreakdown(
       params=params, optimizer_state=opt, gradients=min(params, temp),
       activations=max(temp - params, 0), total=total,
-      limit=device_limit() if limit is None else limit)
+      limit=device_limit() if limit is None else limit,
+      layers=_layers(setup.config.model))
+
+
+def _layers(model: config_lib.ModelConfig) -> str:
+  """"unrolled, remat 'none'" (or "scanned, remat 'full' (auto)"): the
+  layout and the remat policy the decoder layers run."""
+  from coat_jax.training import trainer  # noqa: PLC0415 (trainer uses us)
+
+  scan = trainer.llama_config(model).scan_layers
+  policy = remat_lib.resolve(model.remat, model.precision, scan)
+  auto = ' (auto)' if model.remat == remat_lib.AUTO else ''
+  return f"{'scanned' if scan else 'unrolled'}, remat {policy!r}{auto}"
 
 
 def estimate(config: config_lib.Config, devices=None,

@@ -14,6 +14,9 @@ from coat_jax.models.llama import rope_tables
 import coat_jax.nn as cnn
 
 MODES = ('bf16', 'fp8_linear', 'coat')
+# XLA:GPU keeps jax.checkpoint's barriers until after scheduling; XLA:CPU
+# drops them before fusion unless told not to.
+KEEP_BARRIERS = {'xla_disable_hlo_passes': 'cse_barrier_expander'}
 FP8 = (jnp.float8_e4m3fn,)
 
 
@@ -106,28 +109,25 @@ def test_policies_give_the_same_gradients(precision):
 
 @pytest.mark.parametrize('precision', MODES)
 def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
+  # The FP8 modes compile as XLA:GPU does, with jax.checkpoint's
+  # optimization barriers kept (XLA:CPU drops them before fusion; as
+  # tests/models/fp8_memory_test.py does): scanned 'auto' is 'full' there.
   # Measured on this CPU (MiB, temp of the gradient, 4 layers, width 128,
-  # batch 8 x 256): remat='none' scanned/unrolled bf16 208/170, fp8_linear
-  # 189/169; the default 'minimal' 78/170, 92/163, coat 77/175.
-  # Caveat: XLA:CPU drops optimization barriers (jax.checkpoint's among
-  # them) before fusion, XLA:GPU only after scheduling. Compiled with them
-  # kept (compile({'xla_disable_hlo_passes': 'cse_barrier_expander'}), as
-  # tests/models/fp8_memory_test.py does) the unrolled 'minimal' step needs
-  # 53.0, 60.8 and 53.9 MiB, less than the scanned 77.7, 92.5 and 78.1: as on
-  # the H200 (bf16 at 1b, batch 8: 31.9 scanned vs 30.3 GiB unrolled), this
-  # test passes on CPU only because the CPU inflates the unrolled step.
-  # Here the gradients are outputs of the step; in the train step they are
-  # temporaries, and there bf16 mode's scan stacks the layer gradients in
-  # bf16 (llama_test.test_scanned_layers_stack_bfloat16_gradients):
-  # measured with barriers kept (125m, 4 layers, batch 4 x 1024), the
-  # scanned bf16 train step's temp went 1946.9 -> 1892.9 MiB (-L x params x
-  # 2 bytes), unrolled 1534.9 either way. CPU stacks bf16 residuals as
-  # float32, so the scanned step stays above the unrolled one here.
+  # batch 8 x 256), scanned/unrolled: fp8_linear 47.4/58.7, coat
+  # 44.9/127.5 (scanned 'minimal' was 92.5/60.8 and 78.1/53.9: the scan's
+  # stacked weight gradients; 1b on an H200, compiled: coat 4.65 scanned
+  # against 13.63 GiB unrolled, 15.50 with 'minimal').
+  # bf16 ('minimal' both ways) compiles with CPU's defaults: 78.7/173.2.
+  # With barriers kept it is 78.7/54.1 here, because CPU stacks bf16
+  # residuals as float32; on the H200 the two keep the same (1b, batch 8:
+  # 30.2 scanned vs 30.3 GiB unrolled, measured), so this case passes on
+  # CPU only because the CPU inflates the unrolled step.
   assert cm.LlamaConfig().remat == remat.DEFAULT == 'auto'
   dims = dict(num_layers=4, hidden_size=128, intermediate_size=352)
+  options = None if precision == 'bf16' else KEEP_BARRIERS
   temp = {scan: step_memory.temp_bytes(
       cm.LlamaConfig.preset('tiny', scan_layers=scan, **dims), precision,
-      8, 256) for scan in (True, False)}
+      8, 256, options) for scan in (True, False)}
   print(f'{precision}: scanned {temp[True] / 2**20:.1f} MiB, unrolled'
         f' {temp[False] / 2**20:.1f} MiB')
   assert temp[True] <= temp[False]
@@ -162,18 +162,24 @@ def test_fp8_weight_codes_kept_unrolled_and_recomputed_under_scan(
     np.testing.assert_array_equal(np.asarray(g), np.asarray(g0))
 
 
-def test_auto_is_none_for_unrolled_coat_layers_and_minimal_elsewhere():
+def test_auto_picks_a_policy_per_precision_and_layout():
   """'auto', the default: in 'coat' mode unrolled layers keep the same with
   'minimal' as with 'none' (FP8 residuals only; 1b on an H200: 20.13 vs
-  20.15 GiB) and would only recompute; the model runs what it resolves to."""
-  for precision in MODES:
-    for scan in (False, True):
-      want = 'none' if (precision, scan) == ('coat', False) else 'minimal'
-      assert remat.resolve('auto', precision, scan) == want
-      assert remat.resolve('full', precision, scan) == 'full'
-      cfg = cm.LlamaConfig.preset('tiny', num_layers=1, scan_layers=scan)
-      model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
-      assert model.remat == want
+  20.15 GiB) and would only recompute; scanned FP8 layers take 'full' (with
+  'minimal' the scan's stacked weight gradients put the scanned step above
+  the unrolled one); the model runs what it resolves to."""
+  want = {('bf16', False): 'minimal', ('bf16', True): 'minimal',
+          ('fp8_linear', False): 'minimal', ('fp8_linear', True): 'full',
+          ('coat', False): 'none', ('coat', True): 'full'}
+  assert {(p, s) for p, s in want} == {(p, s) for p in MODES
+                                       for s in (False, True)}
+  for (precision, scan), policy in want.items():
+    assert remat.resolve('auto', precision, scan) == policy
+    for other in remat.POLICIES:
+      assert remat.resolve(other, precision, scan) == other
+    cfg = cm.LlamaConfig.preset('tiny', num_layers=1, scan_layers=scan)
+    model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
+    assert model.remat == policy
   with pytest.raises(ValueError, match="resolve"):
     remat.jax_policy('auto')
 

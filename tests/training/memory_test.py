@@ -39,6 +39,13 @@ def test_estimate_divides_the_step(tiny_config):
   for part in ('params', 'optimizer state', 'gradients', 'activations',
                'total', 'the device allows'):
     assert part in text
+  # What the default 'auto' stands for is printed with the activations.
+  assert mem.layers == "unrolled, remat 'none' (auto)", mem.layers
+  assert "activations and temporaries" in text and mem.layers in text
+  for remat_policy, layers in (('auto', "scanned, remat 'full' (auto)"),
+                               ('minimal', "scanned, remat 'minimal'")):
+    scanned = tiny_config(model={'scan_layers': True, 'remat': remat_policy})
+    assert memory.estimate(scanned, ONE, limit=1 << 40).layers == layers
   # Sharded over 8 devices (fsdp), each holds about an eighth of the state.
   sharded = memory.estimate(
       tiny_config(mesh={'data': 1, 'fsdp': 8, 'tensor': 1}))
