@@ -96,8 +96,9 @@ class LlamaConfig:
     remat: the layer stack's remat policy, one of `remat.POLICIES`
       ('none', 'minimal', 'minimal_offloaded', 'full'; see
       `coat_jax.models.remat` for what each keeps), for scanned and unrolled
-      layers alike, or 'auto' (the default): 'none' for unrolled layers in
-      'coat' mode, 'minimal' otherwise (`remat.resolve`).
+      layers alike, or 'auto' (the default): 'full' for scanned layers,
+      'none' for unrolled layers in 'coat' mode, 'minimal' for the other
+      unrolled ones (`remat.resolve`).
   """
 
   vocab_size: int = 32000

@@ -22,17 +22,16 @@ follow MaxText's `remat_policy`:
   custom_vjps already keep only FP8 residuals ('minimal' keeps the same
   there and recomputes elementwise work: 1b, batch 8, H200: 20.13 vs 20.15
   GiB, 169.4 vs 168.1 ms, benchmarks/RESULTS.md "e2e-1b"), 'minimal' in
-  'bf16' and 'fp8_linear' (less than 'none' keeps). Under the layer scan
-  'full' in the FP8 modes (MaxText's default): with 'minimal' there the
-  scan's backward stacks every layer's weight gradient while every stacked
-  residual is live, more than unrolled layers keep at their peak (1b coat,
-  batch 8, compiled for an H200: 15.50 against 13.63 GiB temp), so a
-  scanned step would need more memory than the default unrolled one;
-  'full' keeps 4.65 GiB for one more forward pass (measured: peak 10.9
-  GiB and 74.8K tokens/s scanned with 'full', 22.0 GiB and 85.1K with
-  'minimal', 19.9 GiB and 96.2K unrolled; RESULTS.md "e2e-1b"). 'minimal'
-  in 'bf16' (scanned and unrolled keep the same there: 30.2 vs 30.3 GiB).
-  `resolve` names the policy it stands for.
+  'bf16' and 'fp8_linear' (less than 'none' keeps). For scanned layers
+  'full', as MaxText's default: with 'minimal' the scan's backward stacks
+  every layer's weight gradient while every stacked residual is live, more
+  than unrolled layers keep at their peak (1b coat, batch 8, compiled for
+  an H200: 15.50 against 13.63 GiB temp; on a 4-layer, 256-wide bf16
+  model 171 against 144 MiB), so a scanned step would need more memory
+  than the default unrolled one. 'full' costs one more forward pass
+  (coat, measured: peak 10.9 GiB and 74.8K tokens/s scanned with 'full',
+  22.0 GiB and 85.1K with 'minimal', 19.9 GiB and 96.2K unrolled;
+  RESULTS.md "e2e-1b"). `resolve` names the policy it stands for.
 
 Under the layer scan, 'minimal', 'minimal_offloaded' and 'full' requantize
 the weights in backward instead of keeping their FP8 codes: kept, scan
@@ -84,14 +83,12 @@ def check_policy(policy: str, setting: str = 'remat') -> None:
 def resolve(policy: str, precision: str, scan_layers: bool) -> str:
   """The policy that `policy` names for a layer stack of `precision`
   ('bf16', 'fp8_linear', 'coat'), scanned or unrolled: 'auto' becomes
-  'none' for unrolled 'coat' layers, 'full' for scanned 'fp8_linear' and
-  'coat' layers and 'minimal' elsewhere (see the module doc); the others
+  'full' for scanned layers, 'none' for unrolled 'coat' layers and
+  'minimal' for the other unrolled ones (see the module doc); the others
   stay as they are."""
   check_policy(policy)
   if policy != AUTO:
     return policy
-  if precision == 'bf16':
-    return 'minimal'
   if scan_layers:
     return 'full'
   return 'none' if precision == 'coat' else 'minimal'

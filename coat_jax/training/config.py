@@ -46,7 +46,8 @@ class ModelConfig:
   init_from: str | None = None
   # What each decoder layer keeps for backward: 'none', 'minimal',
   # 'minimal_offloaded' (GPU) or 'full' (see coat_jax.models.remat), or
-  # 'auto': 'none' for unrolled layers in 'coat' mode, else 'minimal'.
+  # 'auto': 'full' for scanned layers, 'none' for unrolled layers in 'coat'
+  # mode, else 'minimal' (`remat.resolve`).
   remat: str = remat_lib.DEFAULT
 
 

@@ -109,25 +109,21 @@ def test_policies_give_the_same_gradients(precision):
 
 @pytest.mark.parametrize('precision', MODES)
 def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
-  # The FP8 modes compile as XLA:GPU does, with jax.checkpoint's
-  # optimization barriers kept (XLA:CPU drops them before fusion; as
-  # tests/models/fp8_memory_test.py does): scanned 'auto' is 'full' there.
+  # Compiled as XLA:GPU does, with jax.checkpoint's optimization barriers
+  # kept (XLA:CPU drops them before fusion; as
+  # tests/models/fp8_memory_test.py does). Scanned 'auto' is 'full'.
   # Measured on this CPU (MiB, temp of the gradient, 4 layers, width 128,
-  # batch 8 x 256), scanned/unrolled: fp8_linear 47.4/58.7, coat
-  # 44.9/127.5 (scanned 'minimal' was 92.5/60.8 and 78.1/53.9: the scan's
-  # stacked weight gradients; 1b on an H200, compiled: coat 4.65 scanned
-  # against 13.63 GiB unrolled, 15.50 with 'minimal').
-  # bf16 ('minimal' both ways) compiles with CPU's defaults: 78.7/173.2.
-  # With barriers kept it is 78.7/54.1 here, because CPU stacks bf16
-  # residuals as float32; on the H200 the two keep the same (1b, batch 8:
-  # 30.2 scanned vs 30.3 GiB unrolled, measured), so this case passes on
-  # CPU only because the CPU inflates the unrolled step.
+  # batch 8 x 256), scanned/unrolled: bf16 53.6/54.1 (CPU stacks bf16 as
+  # float32), fp8_linear 47.4/58.7, coat 44.9/127.5. Scanned 'minimal'
+  # keeps more than unrolled layers: the scan's stacked weight gradients
+  # (1b on an H200, compiled: coat 4.65 GiB scanned against 13.63
+  # unrolled, 15.50 with 'minimal'). The train step compiled for the GPU:
+  # tests/training/memory_test.py (gpu).
   assert cm.LlamaConfig().remat == remat.DEFAULT == 'auto'
   dims = dict(num_layers=4, hidden_size=128, intermediate_size=352)
-  options = None if precision == 'bf16' else KEEP_BARRIERS
   temp = {scan: step_memory.temp_bytes(
       cm.LlamaConfig.preset('tiny', scan_layers=scan, **dims), precision,
-      8, 256, options) for scan in (True, False)}
+      8, 256, KEEP_BARRIERS) for scan in (True, False)}
   print(f'{precision}: scanned {temp[True] / 2**20:.1f} MiB, unrolled'
         f' {temp[False] / 2**20:.1f} MiB')
   assert temp[True] <= temp[False]
@@ -165,10 +161,10 @@ def test_fp8_weight_codes_kept_unrolled_and_recomputed_under_scan(
 def test_auto_picks_a_policy_per_precision_and_layout():
   """'auto', the default: in 'coat' mode unrolled layers keep the same with
   'minimal' as with 'none' (FP8 residuals only; 1b on an H200: 20.13 vs
-  20.15 GiB) and would only recompute; scanned FP8 layers take 'full' (with
+  20.15 GiB) and would only recompute; scanned layers take 'full' (with
   'minimal' the scan's stacked weight gradients put the scanned step above
   the unrolled one); the model runs what it resolves to."""
-  want = {('bf16', False): 'minimal', ('bf16', True): 'minimal',
+  want = {('bf16', False): 'minimal', ('bf16', True): 'full',
           ('fp8_linear', False): 'minimal', ('fp8_linear', True): 'full',
           ('coat', False): 'none', ('coat', True): 'full'}
   assert {(p, s) for p, s in want} == {(p, s) for p in MODES

@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import fsdp as fsdp_bench
 from coat_jax import training
+from coat_jax.models import remat
 from coat_jax.nn import fsdp
 from coat_jax.training import sharding
 from coat_jax.training import trainer
@@ -141,7 +142,9 @@ def test_step_collectives_are_fsdp(tiny_config, gather, scan_layers):
   """The SPMD-partitioned step (before XLA:CPU's backend passes):
 
   - each layer's 7 weights are all-gathered once in forward and once in
-    backward (scanned: in the loop bodies; unrolled: per layer), float32
+    backward (scanned: in the loop bodies, where the default remat 'full'
+    gathers them once more for the recomputed forward; unrolled: per
+    layer), float32
     shards (Q/K/V's possibly as one concatenation), or FP8 codes (as uint8)
     with model.fp8_weight_gather; nothing
     else is all-gathered but the LM head (BF16, in the loss' chunk loop,
@@ -192,9 +195,12 @@ def test_step_collectives_are_fsdp(tiny_config, gather, scan_layers):
       assert dtype == weight_dtype and c['entry'] != scan_layers, c
       gathered[shape] += 1
   per_layer = 1 if scan_layers else num_layers  # scanned: per loop body
+  policy = remat.resolve(config.model.remat, config.model.precision,
+                         scan_layers)
+  passes = 3 if policy == 'full' else 2
   # Q/K/V are one fused projection: XLA may gather their float32 shards as
   # one concatenation (the same bytes in one collective).
-  expected = _layer_shapes(params, 2 * per_layer)
+  expected = _layer_shapes(params, passes * per_layer)
   assert gathered in expected, (gathered, expected)
   # XLA:CPU's later passes keep the dtype of the gathered weights.
   assert {c['dtype'] for c in final if c['kind'] == 'all-gather'

@@ -196,3 +196,23 @@ def test_train_step_compiles_with_every_policy(tiny_config, precision):
     config = tiny_config(model={'precision': precision, 'remat': 'none'},
                          train={'batch_size': 16})
     assert memory.estimate(config, ONE).activations > peaks[False, 'none']
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
+def test_scanned_step_keeps_no_more_than_unrolled_on_gpu(tiny_config,
+                                                         precision):
+  """With the default remat ('auto'), the train step compiled by XLA:GPU
+  needs no more memory with scanned layers than with unrolled ones (on an
+  H200, 1b, batch 8, measured peaks: coat 10.9 against 19.9 GiB,
+  fp8_linear 17.2 against 30.9, bf16 17.2 against 30.7; this test's bf16
+  model on an H200: 90 against 144 MiB, 171 scanned with 'minimal')."""
+  dims = {'hidden_size': 256, 'intermediate_size': 768, 'num_layers': 4,
+          'num_heads': 4, 'num_kv_heads': 2, 'precision': precision}
+  total = {}
+  for scan in (True, False):
+    config = tiny_config(model={**dims, 'scan_layers': scan},
+                         data={'seq_len': 256}, train={'batch_size': 16})
+    total[scan] = memory.estimate(config, ONE).total
+  print(precision, {k: v / 2**20 for k, v in total.items()})
+  assert total[True] <= total[False]
