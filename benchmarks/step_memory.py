@@ -17,6 +17,10 @@ import jax.numpy as jnp
 from coat_jax import models
 
 MODES = ('bf16', 'fp8_linear', 'coat')
+# XLA:CPU removes optimization barriers (jax.checkpoint's, the FP8 layers')
+# before fusion, XLA:GPU only after scheduling: on a CPU, compile with this
+# to keep what a GPU step keeps (`gpu_like_options`).
+KEEP_BARRIERS = {'xla_disable_hlo_passes': 'cse_barrier_expander'}
 
 
 def compile_loss_step(cfg, precision, batch, seq, compiler_options=None,
@@ -30,6 +34,12 @@ def compile_loss_step(cfg, precision, batch, seq, compiler_options=None,
       lambda s, t, y: models.lm_loss(nnx.merge(graph, s), t, y)))
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   return step.lower(state, tokens, tokens).compile(compiler_options)
+
+
+def gpu_like_options() -> dict | None:
+  """Compiler options under which this backend keeps optimization barriers
+  as XLA:GPU does: KEEP_BARRIERS on CPU, None (the defaults) elsewhere."""
+  return KEEP_BARRIERS if jax.default_backend() == 'cpu' else None
 
 
 def temp_bytes(cfg, precision, batch, seq, compiler_options=None):

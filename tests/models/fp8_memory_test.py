@@ -24,20 +24,14 @@ from coat_jax.models.llama import DecoderLayer
 from coat_jax.models.llama import rope_tables
 import coat_jax.nn as cnn
 
-# XLA:CPU's pass that removes optimization barriers (XLA:GPU runs it after
-# scheduling); on GPU nothing is disabled.
-KEEP_BARRIERS = {'xla_disable_hlo_passes': 'cse_barrier_expander'}
 DIMS = dict(hidden_size=256, intermediate_size=704, num_heads=4,
             num_kv_heads=2)
 BATCH, SEQ = 8, 128
 
 
-def _options():
-  return KEEP_BARRIERS if jax.default_backend() == 'cpu' else None
-
-
 def _step_temp(cfg, precision):
-  return step_memory.temp_bytes(cfg, precision, BATCH, SEQ, _options())
+  return step_memory.temp_bytes(cfg, precision, BATCH, SEQ,
+                                step_memory.gpu_like_options())
 
 
 def _layer_residual_bytes(cfg, precision, policy):

@@ -14,9 +14,6 @@ from coat_jax.models.llama import rope_tables
 import coat_jax.nn as cnn
 
 MODES = ('bf16', 'fp8_linear', 'coat')
-# XLA:GPU keeps jax.checkpoint's barriers until after scheduling; XLA:CPU
-# drops them before fusion unless told not to.
-KEEP_BARRIERS = {'xla_disable_hlo_passes': 'cse_barrier_expander'}
 FP8 = (jnp.float8_e4m3fn,)
 
 
@@ -110,8 +107,7 @@ def test_policies_give_the_same_gradients(precision):
 @pytest.mark.parametrize('precision', MODES)
 def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
   # Compiled as XLA:GPU does, with jax.checkpoint's optimization barriers
-  # kept (XLA:CPU drops them before fusion; as
-  # tests/models/fp8_memory_test.py does). Scanned 'auto' is 'full'.
+  # kept (`step_memory.gpu_like_options`). Scanned 'auto' is 'full'.
   # Measured on this CPU (MiB, temp of the gradient, 4 layers, width 128,
   # batch 8 x 256), scanned/unrolled: bf16 53.6/54.1 (CPU stacks bf16 as
   # float32), fp8_linear 47.4/58.7, coat 44.9/127.5. Scanned 'minimal'
@@ -123,7 +119,7 @@ def test_default_policy_scanned_keeps_no_more_than_unrolled(precision):
   dims = dict(num_layers=4, hidden_size=128, intermediate_size=352)
   temp = {scan: step_memory.temp_bytes(
       cm.LlamaConfig.preset('tiny', scan_layers=scan, **dims), precision,
-      8, 256, KEEP_BARRIERS) for scan in (True, False)}
+      8, 256, step_memory.gpu_like_options()) for scan in (True, False)}
   print(f'{precision}: scanned {temp[True] / 2**20:.1f} MiB, unrolled'
         f' {temp[False] / 2**20:.1f} MiB')
   assert temp[True] <= temp[False]
