@@ -125,12 +125,15 @@ def _cos(a, b) -> float:
 def compiled_gradient(cfg, precision, scaling, state, tokens, targets,
                       dtype=jnp.bfloat16):
   """(loss, grads) of the model at `state` (the bf16 model's), compiled now:
-  it runs the block quantizers in force now, whenever it is called."""
+  it runs the block quantizers in force now, whenever it is called. A
+  float32 model (the reference) runs its matmuls at 'highest' precision;
+  the others as they train."""
   model = cm.Llama(cfg, precision=precision, scaling=scaling, dtype=dtype,
                    rngs=nnx.Rngs(0))
   graph, _ = nnx.split(model)
   loss_fn = lambda s, x, y: cm.lm_loss(nnx.merge(graph, s), x, y)
-  with jax.default_matmul_precision('highest'):  # for the float32 model
+  with jax.default_matmul_precision(
+      'highest' if dtype == jnp.float32 else None):
     return jax.jit(jax.value_and_grad(loss_fn)).lower(
         state, tokens, targets).compile()
 
