@@ -163,8 +163,7 @@ def test_auto_picks_a_policy_per_precision_and_layout():
   want = {('bf16', False): 'minimal', ('bf16', True): 'full',
           ('fp8_linear', False): 'minimal', ('fp8_linear', True): 'full',
           ('coat', False): 'none', ('coat', True): 'full'}
-  assert {(p, s) for p, s in want} == {(p, s) for p in MODES
-                                       for s in (False, True)}
+  assert set(want) == {(p, s) for p in MODES for s in (False, True)}
   for (precision, scan), policy in want.items():
     assert remat.resolve('auto', precision, scan) == policy
     for other in remat.POLICIES:
