@@ -606,7 +606,7 @@ def _check_tokens(tokens: Any, config: LlamaConfig) -> int:
 
 
 def lm_loss(model: Llama, tokens: jax.Array, targets: jax.Array, *,
-            chunk_size: int = 1024,
+            chunk_size: int = 2048,
             layers: Sequence[Any] | None = None) -> jax.Array:
   """Mean next-token cross entropy, without materializing all logits.
 
