@@ -62,24 +62,19 @@ def variants():
     out.append((f'per-tensor {label}', lambda a, b, sa, sb, cfg=cfg: (
         mosaic_gpu.fp8_matmul_mosaic(a, b, jnp.float32(1), config=cfg))))
   three, default = mosaic_gpu.THREE_WG_CONFIG, mosaic_gpu.DEFAULT_CONFIG
-  block_cfgs = (('three_wg', three, {}),
-                ('default', default, {}),
-                ('three_wg a-gmem', three, dict(gmem=True)),
-                ('default a-gmem', default, dict(gmem=True)),
-                ('row_two_wg', mosaic_gpu_block.ROW_TWO_WG_CONFIG, {}),
-                ('row_three_wg', mosaic_gpu_block.ROW_THREE_WG_CONFIG, {}),
-                ('three_wg chunk32', three, dict(chunk=32)))
+  block_cfgs = (('three_wg', three),
+                ('default', default),
+                ('row_two_wg', mosaic_gpu_block.ROW_TWO_WG_CONFIG),
+                ('row_three_wg', mosaic_gpu_block.ROW_THREE_WG_CONFIG))
   for gran in ('block', 'row'):
-    for label, cfg, settings in block_cfgs:
-      if gran == 'block' and (cfg.block_n != 128 or 'chunk' in settings):
+    for label, cfg in block_cfgs:
+      if gran == 'block' and cfg.block_n != 128:
         continue
 
-      def fn(a, b, sa, sb, cfg=cfg, gran=gran, settings=settings):
-        with mosaic_gpu_block.row_chunk_cols(settings.get('chunk')), \
-             mosaic_gpu_block.a_scales_from_gmem(settings.get('gmem', False)):
-          return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
-              a, b, sa[gran], sb[gran], b_granularity=gran, config=cfg,
-              a_scale_transposed=True, b_scale_transposed=True)
+      def fn(a, b, sa, sb, cfg=cfg, gran=gran):
+        return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+            a, b, sa[gran], sb[gran], b_granularity=gran, config=cfg,
+            a_scale_transposed=True, b_scale_transposed=True)
       out.append((f'{gran} {label}', fn))
   return out
 

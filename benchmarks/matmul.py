@@ -734,23 +734,14 @@ def block_ref_rows(a, b, sa, sb, granularity, rows):
 
 
 def block_alternatives(granularity):
-  """(label, config, settings) the block kernel can run for this
-  granularity, timed beside select_config's choice with --block-configs;
-  settings: `chunk` (ROW_CHUNK_COLS), `gmem` (A_SCALES_FROM_GMEM)."""
-  three, default = mosaic_gpu.THREE_WG_CONFIG, mosaic_gpu.DEFAULT_CONFIG
-  gmem = dict(gmem=True)
-  out = [('192x128 3wg', three, {}), ('128x128 2wg', default, {}),
-         ('192x128 3wg a-gmem', three, gmem),
-         ('128x128 2wg a-gmem', default, gmem)]
+  """(label, config) the block kernel can run for this granularity, timed
+  beside select_config's choice with --block-configs."""
+  out = [('192x128 3wg', mosaic_gpu.THREE_WG_CONFIG),
+         ('128x128 2wg', mosaic_gpu.DEFAULT_CONFIG)]
   if granularity == 'block':
     return out
-  row_two, row_three = (mosaic_gpu_block.ROW_TWO_WG_CONFIG,
-                        mosaic_gpu_block.ROW_THREE_WG_CONFIG)
-  return out[:3] + [
-      ('128x128 2wg k128', row_two, {}),
-      ('128x128 2wg k128 a-gmem', row_two, gmem),
-      ('192x96 3wg', row_three, {}),
-      ('192x128 3wg chunk32', three, dict(chunk=32))]
+  return out + [('128x128 2wg k128', mosaic_gpu_block.ROW_TWO_WG_CONFIG),
+                ('192x96 3wg', mosaic_gpu_block.ROW_THREE_WG_CONFIG)]
 
 
 def parse_block_shape(spec):
@@ -778,9 +769,6 @@ def run_block(args, log):
   """
   t_start = time.perf_counter()
   budget = args.budget_s or (200 if args.quick else None)
-  if args.block_b_as_rows:
-    mosaic_gpu_block.BLOCK_SCALES_AS_SCALARS[0] = False
-  log['block_scales_as_scalars'] = mosaic_gpu_block.BLOCK_SCALES_AS_SCALARS[0]
   global_warmup(2.0)
   rounds = args.rounds or (5 if args.quick else 15)
   shapes = [parse_block_shape(x) for x in args.shapes.split(',')
@@ -802,27 +790,24 @@ def run_block(args, log):
       # Timed as a train step calls it: scales K-block first, as the
       # quantizers write them; 'untransposed' passes (M, K / 128) scales,
       # which the wrapper transposes per call.
-      def block_fn(config=None, transposed=True, chunk=None, gmem=False):
+      def block_fn(config=None, transposed=True):
         def f(a, b, s, sa, sb):
           del s
-          with mosaic_gpu_block.row_chunk_cols(chunk), \
-               mosaic_gpu_block.a_scales_from_gmem(gmem):  # at trace time
-            return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
-                a, b, sa.T if not transposed else sa,
-                sb.T if not transposed else sb, b_granularity=gran,
-                config=config, a_scale_transposed=transposed,
-                b_scale_transposed=transposed)
+          return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+              a, b, sa.T if not transposed else sa,
+              sb.T if not transposed else sb, b_granularity=gran,
+              config=config, a_scale_transposed=transposed,
+              b_scale_transposed=transposed)
         return jax.jit(f)
       block = block_fn()
-      alts = [(label, c, settings)
-              for label, c, settings in block_alternatives(gran)
-              if args.block_configs and (c, settings) != (cfg, {})]
+      alts = [(label, c) for label, c in block_alternatives(gran)
+              if args.block_configs and c != cfg]
       fns = [
           block,
           jax.jit(lambda a, b, s, sa, sb: pallas(a, b, s)),
           jax.jit(lambda a, b, s, sa, sb: xla_precise(a, b, s)),
           block_fn(transposed=False),
-      ] + [block_fn(c, **settings) for _, c, settings in alts]
+      ] + [block_fn(c) for _, c in alts]
       sa, sb = jax.block_until_ready((sa.T, sb.T))  # K-block first
       operands_ = (a, b, s, sa, sb)
       sample = np.unique(np.linspace(0, m - 1, 64).astype(np.int32))
@@ -844,7 +829,7 @@ def run_block(args, log):
       row['alts'] = {
           label: statistics.median(
               [p / x for p, x in zip(times[1], times[4 + i])])
-          for i, (label, _, _) in enumerate(alts)}
+          for i, (label, _) in enumerate(alts)}
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc()
       row['error'] = f'{type(e).__name__}: {str(e)[:300]}'
@@ -908,9 +893,6 @@ def main():
   p.add_argument('--block-configs', action='store_true',
                  help='with --block: also time the other configs the block'
                  ' kernel can run (ratios to the per-tensor kernel)')
-  p.add_argument('--block-b-as-rows', action='store_true',
-                 help='with --block: expand \'block\' b scales to rows in'
-                 ' the wrapper (per-row scales) instead of one per block')
   p.add_argument('--budget-s', type=float, default=0,
                  help='with --block: start no new shape after this many'
                  ' seconds (default: 200 with --quick, else none)')

@@ -42,7 +42,6 @@ wgmma partial), cluster_m == 1, chain_tiles False, and block_n == 128 for
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -65,41 +64,6 @@ _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 _E5M2 = jnp.dtype(jnp.float8_e5m2)
 _DTYPE_PAIRS = ((_E4M3, _E4M3), (_E5M2, _E4M3), (_E4M3, _E5M2))
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-# 'block' b scales: one scalar per (N tile, K block) from a pipelined SMEM
-# block (True), or expanded to per-row scales in the wrapper and pipelined
-# as 'row' ones (False). A list so that a benchmark or test can switch it.
-BLOCK_SCALES_AS_SCALARS = [True]
-# 'row' b scales: columns per chunk of the FP32 sum (and per epilogue
-# store), whose column scales are loaded at once (None: the epilogue's
-# widest chunk). Narrower chunks hold fewer scale registers beside the sum
-# and the partial; a list so that a benchmark can switch it.
-ROW_CHUNK_COLS = [None]
-# a scales: pipelined by TMA through SMEM beside A and B (False), or loaded
-# by each warpgroup from GMEM at the start of its step, before its wgmmas,
-# so the wgmmas hide the latency (True): no SMEM, TMA or barrier per stage
-# for them (DEFAULT_CONFIG then keeps its 128-column epilogue). A list so
-# that a benchmark or test can switch it.
-A_SCALES_FROM_GMEM = [False]
-
-
-@contextlib.contextmanager
-def _setting(flag, value):
-  saved = flag[0]
-  flag[0] = value
-  try:
-    yield
-  finally:
-    flag[0] = saved
-
-
-def row_chunk_cols(cols: int | None):
-  """Sets ROW_CHUNK_COLS[0] to `cols` for the kernels traced inside."""
-  return _setting(ROW_CHUNK_COLS, cols)
-
-
-def a_scales_from_gmem(on: bool = True):
-  """Sets A_SCALES_FROM_GMEM[0] for the kernels traced inside."""
-  return _setting(A_SCALES_FROM_GMEM, on)
 
 
 def validate_config(cfg: Config, b_granularity: str):
@@ -150,14 +114,13 @@ def select_config(m: int, n: int, num_ctas: int | None = None, *,
                                   candidates=CANDIDATES[b_granularity])
 
 
-def _load(ref, layout, optimized=True):
-  """plgpu.load of a whole ref; jax 0.10 wants the index as an argument.
-  optimized=False for GMEM refs (Mosaic plans vector transfers for SMEM
-  only)."""
+def _load(ref, layout):
+  """plgpu.load of a whole SMEM ref; jax 0.10 wants the index as an
+  argument."""
   try:
-    return plgpu.load(ref, layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout)
   except TypeError:  # jax < 0.11: `idx` is positional and required.
-    return plgpu.load(ref, None, layout=layout, optimized=optimized)
+    return plgpu.load(ref, None, layout=layout)
 
 
 def _promote_scaled(total, accs, add_scaled, release=()):
@@ -184,7 +147,7 @@ def _load_c(c_chunk, out_smem, wg, barrier):
 
 
 def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
-            cfg: Config, b_granularity: str, as_from_gmem: bool, has_c: bool,
+            cfg: Config, b_granularity: str, has_c: bool,
             m_iters: int, n_iters: int, k_iters: int, stages: int):
   """Kernel body. GMEM: a (Mp, Kp), b (Np, Kp) FP8; as (Kp / 128,
   M' / wg_m, wg_m) f32 (a_scale transposed); bs (Kp / 128, n') f32 for
@@ -208,7 +171,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
     arrays: a block that reaches past an array's end is then no provably
     in-bounds block, and TMA fills the outside with zeros (a block of a
     sliced ref would be copied whole, past the end)."""
-    specs = [] if as_from_gmem else [plgpu.BlockSpec(
+    specs = [plgpu.BlockSpec(
         (blocks, cfg.compute_wgs, wg_m), lambda k: (k, mi, 0),
         memory_space=plgpu.SMEM)]
     if rows_b:
@@ -219,7 +182,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
           (blocks, _B_TILES_PER_COPY), lambda k: (k, ni // _B_TILES_PER_COPY),
           memory_space=plgpu.SMEM))
     return specs
-  num_inputs = 3 + (not as_from_gmem)
+  num_inputs = 4  # a, b and their scales
   make_pipeline = lambda body, context, state=None, mi=0, ni=0: (
       mosaic_gpu._pipeline(  # pylint: disable=protected-access
           body, context, cfg=cfg, grid=(k_iters,), a_index=lambda k: (0, k),
@@ -228,10 +191,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
           manual_release=cfg.early_release, state=state,
           extra_specs=scale_specs(mi, ni)))
   ignore = lambda *_, **__: None
-  gmem_scales = (() if as_from_gmem else (as_gmem,)) + (bs_gmem,)
-  # The last (wg_m,) row of a scales: rows past it are read from it instead
-  # (their A rows are zero, their outputs clipped or sliced off).
-  last_as_row = as_gmem.shape[1] - 1
+  gmem_scales = (as_gmem, bs_gmem)
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
   cols_layout = plgpu.Layout.WGMMA.reduce(0)
   # The FP32 sum is a tuple of (wg_m, chunk) column chunks, the epilogue's
@@ -267,23 +227,17 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
       wg_sl = pl.ds(wg * wg_m, wg_m)
 
       def body(idx, *args):
-        (k,) = idx
+        del idx  # the pipeline's BlockSpecs place each step's blocks
         smems, release, carry = (args[:num_inputs], args[num_inputs:-1],
                                  args[-1])
-        a_smem, b_smem, bs_smem = smems[0], smems[1], smems[-1]
+        a_smem, b_smem, as_smem, bs_smem = smems
         # A and B go back to TMA as soon as their wgmmas are done; the
         # scales once read (the adds may then interleave with their loads).
         ab_release, scale_release = release[:2], release[2:]
 
         def step(*accs):
-          if as_from_gmem:  # issued before the wgmmas, which hide the latency
-            row = jnp.minimum(mi * cfg.compute_wgs + wg, last_as_row)
-            a_s = [_load(as_gmem.at[k * blocks + j, row], rows_layout,
-                         optimized=False) for j in range(blocks)]
           mosaic_gpu._issue_wgmmas(accs, a_smem, b_smem, wg_sl)  # pylint: disable=protected-access
-          if not as_from_gmem:
-            a_s = [_load(smems[2].at[j, wg], rows_layout)
-                   for j in range(blocks)]
+          a_s = [_load(as_smem.at[j, wg], rows_layout) for j in range(blocks)]
           if not rows_b:
             b_s = [bs_smem[j, ni % _B_TILES_PER_COPY] for j in range(blocks)]
 
@@ -382,12 +336,6 @@ def fp8_matmul_block_scaled_mosaic(
                      f' the output\'s, {(m, n)} {jnp.dtype(out_dtype)}.')
   cfg = config or select_config(m, n, b_granularity=b_granularity)
   validate_config(cfg, b_granularity)
-  if b_granularity == 'block' and not BLOCK_SCALES_AS_SCALARS[0]:
-    if b_scale_transposed:
-      b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=1)[:, :n]
-    else:
-      b_scale = jnp.repeat(b_scale, SCALE_BLOCK, axis=0)[:n]
-    b_granularity = 'row'
   return _call_kernel(a, b, a_scale, b_scale, c, b_granularity,
                       jnp.dtype(out_dtype), cfg, a_scale_transposed,
                       b_scale_transposed, _Settings.now())
@@ -515,18 +463,15 @@ def scale_layout(a_scale, b_scale, b_granularity: str, cfg: Config,
 
 
 class _Settings(NamedTuple):
-  """What a kernel is traced with besides its arguments: the switches above
-  and the device's SM count."""
+  """What a kernel is traced with besides its arguments: the lowering
+  semantics in force and the device's SM count."""
 
-  row_chunk_cols: int | None
-  a_scales_from_gmem: bool
   lowering_semantics: object
   num_sms: int
 
   @classmethod
   def now(cls) -> _Settings:
-    return cls(ROW_CHUNK_COLS[0], A_SCALES_FROM_GMEM[0],
-               mosaic_gpu.LOWERING_SEMANTICS[0], mosaic_gpu._num_sms())  # pylint: disable=protected-access
+    return cls(mosaic_gpu.LOWERING_SEMANTICS[0], mosaic_gpu._num_sms())  # pylint: disable=protected-access
 
 
 # A jit, so that calls of equal shapes and static arguments share one trace
@@ -546,22 +491,12 @@ def _call_kernel(a, b, a_scale, b_scale, c, b_granularity, out_dtype, cfg,
     # output with THREE_WG_CONFIG came back all zeros on the H200 (the only
     # shape whose output and B were narrower than one TMA tile of each).
     cfg = dataclasses.replace(cfg, pad_mn=True)
-  chunk = settings.row_chunk_cols if rows_b else None
-  if chunk and (cfg.block_n % chunk or chunk % 8
-                or (chunk * out_dtype.itemsize) % 32):
-    raise ValueError(f'ROW_CHUNK_COLS={chunk}: need a multiple of 8 that'
-                     f' divides block_n={cfg.block_n} and spans a multiple'
-                     ' of 32 bytes of output.')
-  blocks = cfg.split_k
-  as_from_gmem = settings.a_scales_from_gmem
   # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32 for
   # 'row', (split_k, 32) for 'block'.
-  scale_bytes = blocks * 4 * (
-      (0 if as_from_gmem else cfg.block_m)
-      + (cfg.block_n if rows_b else _B_TILES_PER_COPY))
+  scale_bytes = cfg.split_k * 4 * (
+      cfg.block_m + (cfg.block_n if rows_b else _B_TILES_PER_COPY))
   stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
-      cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes,
-      out_cols=chunk)
+      cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes)
   out_smem = plgpu.SMEM((cfg.compute_wgs, cfg.wg_m, epi_n), out_dtype,
                         transforms=mosaic_gpu._transforms(out_dtype, epi_n))  # pylint: disable=protected-access
   if cfg.pad_mn:
@@ -585,7 +520,7 @@ def _call_kernel(a, b, a_scale, b_scale, c, b_granularity, out_dtype, cfg,
                           b_scale_transposed=b_scale_transposed)
   f = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
-                        as_from_gmem=as_from_gmem, has_c=c is not None,
+                        has_c=c is not None,
                         m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
                         stages=stages),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),

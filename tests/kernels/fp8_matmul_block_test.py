@@ -494,40 +494,6 @@ def test_transposed_scales_lower_for_cuda(config, granularity):
   assert lowered.out_info.shape == (m, n)
 
 
-@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize('out_dtype', [jnp.bfloat16, jnp.float32])
-def test_row_scales_lower_in_narrower_chunks(config, out_dtype):
-  """ROW_CHUNK_COLS: 32-column chunks of the FP32 sum and its stores."""
-  def f(a, b, sa, sb):
-    with mosaic_gpu_block.row_chunk_cols(32):
-      return block_kernel(a, b, sa, sb, 'row', config, out_dtype)
-  lowered = lower_for_cuda(f, *abstract_operands(640, 400, 512, 'row'))
-  assert 'mosaic_gpu' in lowered.as_text()
-  assert mosaic_gpu_block.ROW_CHUNK_COLS[0] is None
-
-
-@pytest.mark.parametrize('config,granularity', RUNNABLE)
-@pytest.mark.parametrize('transposed', [True, False])
-def test_a_scales_from_gmem_lower_for_cuda(config, granularity, transposed):
-  """A_SCALES_FROM_GMEM: a scales loaded by each warpgroup from GMEM."""
-  def f(a, b, sa, sb):
-    with mosaic_gpu_block.a_scales_from_gmem():
-      return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
-          a, b, sa, sb, b_granularity=granularity, config=config,
-          a_scale_transposed=transposed, b_scale_transposed=transposed)
-  lowered = lower_for_cuda(
-      f, *abstract_operands(640, 400, 384, granularity, transposed))
-  assert 'mosaic_gpu' in lowered.as_text()
-  assert not mosaic_gpu_block.A_SCALES_FROM_GMEM[0]
-
-
-def test_row_chunk_cols_errors():
-  with mosaic_gpu_block.row_chunk_cols(48):
-    with pytest.raises(ValueError, match='ROW_CHUNK_COLS=48'):
-      mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
-          **_args(granularity='row'))
-
-
 def test_row_scales_lower_with_a_wider_tile():
   """'row' b scales take other block_n (here 160 columns: a 640-byte TMA
   row per K block)."""
@@ -596,38 +562,6 @@ def test_c_is_added_before_the_one_rounding(config, granularity, out_dtype,
       np.asarray(jnp.asarray(want).astype(out_dtype), np.float32))
 
 
-@pytest.fixture
-def block_scales_as_rows():
-  """'block' b scales expanded to rows in the wrapper, for one test."""
-  flag = mosaic_gpu_block.BLOCK_SCALES_AS_SCALARS
-  flag[0] = False
-  yield
-  flag[0] = True
-
-
-def test_block_scales_as_rows_lower_for_cuda(block_scales_as_rows):
-  del block_scales_as_rows
-  assert 'mosaic_gpu' in lower_for_cuda(
-      lambda a, b, sa, sb: block_kernel(a, b, sa, sb, 'block'),
-      *abstract_operands(384, 400, 512, 'block')).as_text()
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
-def test_block_scales_as_rows_exact(config, block_scales_as_rows):
-  """The benchmark's alternative for 'block' b scales (per-row copies,
-  pipelined) gives the same exact results."""
-  del block_scales_as_rows
-  m, n, k = 656, 400, 640
-  ka, kb, ks = jax.random.split(jax.random.key(6), 3)
-  a = small_ints(ka, (m, k), E5M2)
-  b = small_ints(kb, (n, k), E4M3)
-  sa, sb = pow2_scales(ks, m, n, k, 'block')
-  out = block_kernel(a, b, sa, sb, 'block', config)
-  np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, 'block'))
-
-
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
@@ -661,39 +595,6 @@ def test_transposed_scales_exact(config, granularity, mnk):
       a, b, sa.T, sb.T, b_granularity=granularity, out_dtype=jnp.float32,
       config=config, a_scale_transposed=True, b_scale_transposed=True)
   np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, granularity))
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize('config,granularity', RUNNABLE)
-@pytest.mark.parametrize('mnk', [(1040, 528, 2048)])
-def test_a_scales_from_gmem_exact(config, granularity, mnk):
-  """A_SCALES_FROM_GMEM, scales K-block first, partial tiles."""
-  m, n, k = mnk
-  ka, kb, ks = jax.random.split(jax.random.key(m + n + k + 3), 3)
-  a = small_ints(ka, (m, k), E5M2)
-  b = small_ints(kb, (n, k), E4M3)
-  sa, sb = pow2_scales(ks, m, n, k, granularity)
-  with mosaic_gpu_block.a_scales_from_gmem():
-    out = mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
-        a, b, sa.T, sb.T, b_granularity=granularity, out_dtype=jnp.float32,
-        config=config, a_scale_transposed=True, b_scale_transposed=True)
-  np.testing.assert_array_equal(out, ref_f64(a, b, sa, sb, granularity))
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize('config', CONFIGS, ids=CONFIG_IDS)
-def test_row_scales_in_narrower_chunks_exact(config):
-  m, n, k = 1040, 528, 1024
-  ka, kb, ks = jax.random.split(jax.random.key(9), 3)
-  a = small_ints(ka, (m, k), E5M2)
-  b = small_ints(kb, (n, k), E4M3)
-  sa, sb = pow2_scales(ks, m, n, k, 'row')
-  with mosaic_gpu_block.row_chunk_cols(32):
-    out = block_kernel(a, b, sa, sb, 'row', config, jnp.bfloat16)
-  want = ref_f64(a, b, sa, sb, 'row').astype(np.float32)
-  np.testing.assert_array_equal(out, jnp.asarray(want).astype(jnp.bfloat16))
 
 
 @pytest.mark.gpu
