@@ -8,9 +8,9 @@
   python3 benchmarks/matmul.py --paired        # Pallas / cuBLASLt, paired
   python3 benchmarks/matmul.py --paired --shapes 0 --rounds 61   # 8192^3 only
   python3 benchmarks/matmul.py --paired --shapes 0 --control  # + A/A row
-  python3 benchmarks/matmul.py --paired --paired-config 1,19 \
+  python3 benchmarks/matmul.py --paired --paired-config 1,11 \
       --shapes 0,8448x8064x8192     # two SWEEP configs, any M x N x K
-  python3 benchmarks/matmul.py --k-lines --configs 1,19   # time against K
+  python3 benchmarks/matmul.py --k-lines --configs 1,11   # time against K
   python3 benchmarks/matmul.py --sweep --semantics warpgroup   # Mosaic's other
   python3 benchmarks/matmul.py --skip bf16 --triton-configs 0   # shorter
   python3 benchmarks/matmul.py --block [--quick]   # block-scaled, paired
@@ -360,45 +360,35 @@ C = mosaic_gpu.Config
 _three = functools.partial(dataclasses.replace, mosaic_gpu.THREE_WG_CONFIG)
 SWEEP = [
     C(block_k=128, split_k=1),
-    C(block_k=256, split_k=2),
-    C(block_k=256, split_k=2, cluster_m=2),
-    C(block_k=256, split_k=2, chain_tiles=True),
-    C(block_k=256, split_k=2, chain_tiles=True, overlap_epilogue=True),
-    C(block_k=256, split_k=2, chain_tiles=True, cluster_m=2),
-    C(block_k=128, split_k=1, chain_tiles=True, max_stages=6),
+    C(block_k=256, split_k=2),  # DEFAULT_CONFIG
     C(block_n=256, block_k=128, promote=False, split_k=1),  # fast acc.
-    # Tile walk and staging around the default (index 1).
+    # Tile walk and staging around the default (3-6).
     C(block_k=256, split_k=2, grid_tile_width=4),
     C(block_k=256, split_k=2, grid_tile_width=16),
     C(block_k=256, split_k=2, grid_minor_m=False),
     C(block_k=128, split_k=1, max_stages=6),
-    C(block_k=128, split_k=1, max_stages=6, cluster_m=2),
     # cuBLASLt's own tiles here (`cublas_kernels.py`: nvjet 144x128 and
-    # 128x160, K step 128, 6 and 5 stages), edges left to TMA (13-15).
+    # 128x160, K step 128, 6 and 5 stages), edges left to TMA (7, 8).
     C(block_n=144, block_k=128, split_k=1, max_stages=6, pad_mn=False),
     C(block_n=160, block_k=128, split_k=1, max_stages=5, pad_mn=False),
-    C(block_n=144, block_k=128, split_k=1, max_stages=6, pad_mn=False,
-      cluster_m=2),
-    # 144 wide with the default's K step 256 in two wgmmas (16, 17).
+    # 144 wide with the default's K step 256 in two wgmmas (9).
     C(block_n=144, block_k=256, split_k=2, pad_mn=False),
-    C(block_n=144, block_k=256, split_k=2, pad_mn=False, cluster_m=2),
-    # Three compute warpgroups of 64 rows (18-20; 19 is THREE_WG_CONFIG),
-    # then with clusters and other tile walks (21-24).
+    # Three compute warpgroups of 64 rows (10-12; 11 is THREE_WG_CONFIG),
+    # then other tile walks (13-15).
     _three(max_stages=5),
     _three(),
     _three(pad_mn=True),
-    _three(cluster_m=2),
     _three(grid_tile_width=4),
     _three(grid_tile_width=16),
     _three(grid_minor_m=False),
-    # Stages released after the FP32 adds (25: THREE_WG_CONFIG before
-    # early_release), and before them in the default (26).
+    # Stages released after the FP32 adds (16: THREE_WG_CONFIG before
+    # early_release), and before them in the default (17).
     _three(early_release=False),
     C(block_k=256, split_k=2, early_release=True),
-    # THREE_WG_CONFIG draining between tiles (27: before overlap_tiles).
+    # THREE_WG_CONFIG draining between tiles (18: before overlap_tiles).
     _three(overlap_tiles=False),
-    # Two warpgroups with overlapped tiles: K step 128 on 4 stages (28),
-    # releasing stages early (29).
+    # Two warpgroups with overlapped tiles: K step 128 on 4 stages (19),
+    # releasing stages early (20).
     C(block_k=128, split_k=1, overlap_tiles=True),
     C(block_k=128, split_k=1, overlap_tiles=True, early_release=True),
 ]
@@ -899,7 +889,7 @@ def main():
   p.add_argument('--k-lines', action='store_true',
                  help='time against K at M = N = 8192 (--configs: Pallas)')
   p.add_argument('--paired-config', default='',
-                 help='with --paired: SWEEP indices to time, e.g. 19,25'
+                 help='with --paired: SWEEP indices to time, e.g. 11,16'
                  ' (default: select_config per shape)')
   p.add_argument('--control', action='store_true',
                  help='with --paired: also time cuBLASLt precise against'

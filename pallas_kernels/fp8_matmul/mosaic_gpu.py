@@ -2,7 +2,7 @@
 
 out = (a @ b.T) * scale with a (M, K) and b (N, K), both K-major FP8.
 
-The kernel is persistent (one CTA per SM, or per cluster) and warp
+The kernel is persistent (one CTA per SM) and warp
 specialized: one memory warpgroup streams (block_m, block_k) tiles of A and
 (block_n, block_k) tiles of B into shared memory with TMA, two or three
 compute warpgroups each own 64 or more rows of the output tile and issue
@@ -62,18 +62,8 @@ class Config:
     split_k: with promote, split a step's K into this many wgmmas, each into
       its own accumulator, so that adding one overlaps the next wgmma; the
       promotion interval is then block_k // split_k.
-    cluster_m: 1, or 2 to pair CTAs along M and multicast their B tile.
     grid_minor_m: walk the tile grid with M as the minor dimension.
     grid_tile_width: width of the snake-order bands of the tile walk.
-    chain_tiles: run all of a CTA's tiles as one pipeline over (tile, k)
-      steps, so that TMA loads the next tile's first steps while the compute
-      warpgroups finish a tile and write it (needs promote). Otherwise each
-      tile is its own pipeline, which drains and refills between tiles.
-      Exact, but measured 3.5x slower on the H100: it spills registers
-      (NOTES.md, "Chained tiles").
-    overlap_epilogue: with chain_tiles, issue a tile's first wgmmas before
-      writing the previous tile, so the tensor cores work during the write
-      (costs registers: both accumulators are live).
     pad_mn: zero-pad M and N to whole tiles in the wrapper (a copy of the
       operands and of the result). False leaves partial tiles to TMA, which
       fills loads past the edge with zeros and clips stores (the grouped
@@ -97,11 +87,8 @@ class Config:
   max_stages: int = 4
   promote: bool = True
   split_k: int = 2
-  cluster_m: int = 1
   grid_minor_m: bool = True
   grid_tile_width: int = 8
-  chain_tiles: bool = False
-  overlap_epilogue: bool = False
   pad_mn: bool = True
   compute_wgs: int = 2
   early_release: bool = False
@@ -123,24 +110,15 @@ class Config:
       raise ValueError(f'block_n={self.block_n} must be 8..256, multiple of 8.')
     if (self.block_k * itemsize) % 128:
       raise ValueError(f'block_k={self.block_k} must span a multiple of 128 B.')
-    if self.cluster_m not in (1, 2):
-      raise ValueError(f'cluster_m={self.cluster_m} must be 1 or 2.')
     if self.block_k % self.split_k or (
         (self.block_k // self.split_k * itemsize) % 128):
       raise ValueError('block_k / split_k must span a multiple of 128 B.')
     if self.split_k > 1 and not self.promote:
       raise ValueError('split_k > 1 needs promote=True.')
-    if self.chain_tiles and not self.promote:
-      raise ValueError('chain_tiles needs promote=True.')
-    if self.overlap_epilogue and not self.chain_tiles:
-      raise ValueError('overlap_epilogue needs chain_tiles=True.')
-    if self.early_release and (self.chain_tiles or not self.promote):
-      raise ValueError('early_release needs promote=True and'
-                       ' chain_tiles=False.')
-    if self.overlap_tiles and (self.chain_tiles or not self.promote
-                               or self.cluster_m != 1):
-      raise ValueError('overlap_tiles needs promote=True, chain_tiles=False'
-                       ' and cluster_m=1.')
+    if self.early_release and not self.promote:
+      raise ValueError('early_release needs promote=True.')
+    if self.overlap_tiles and not self.promote:
+      raise ValueError('overlap_tiles needs promote=True.')
     wg_regs = self.wg_m * self.block_n // 128
     n_acc = 1 + self.split_k if self.promote else 1
     limit = {2: 216, 3: 128}[self.compute_wgs]
@@ -385,8 +363,7 @@ def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
           plgpu.BlockSpec(
               (cfg.block_n, cfg.block_k), b_index,
               transforms=_transforms(b_dtype, cfg.block_k),
-              memory_space=plgpu.SMEM, delay_release=delay,
-              collective_axes=('cluster',) if cfg.cluster_m == 2 else ()),
+              memory_space=plgpu.SMEM, delay_release=delay),
           *extra_specs,
       ],
       wg_axis='wg',
@@ -425,15 +402,13 @@ def _kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config, m_iters: int,
   )
   def _scope(allocs, tile_start):
     wg = lax.axis_index('wg')
-    cta = lax.axis_index('cluster')
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes='sm')
     def _tile_loop(info):
       (lin,) = info.index
-      mc, ni = plgpu.planar_snake(
+      mi, ni = plgpu.planar_snake(
           lin, (m_iters, n_iters), 0 if cfg.grid_minor_m else 1,
           cfg.grid_tile_width)
-      mi = mc * cfg.cluster_m + cta
       m_sl = pl.ds(mi * cfg.block_m, cfg.block_m)
       n_sl = pl.ds(ni * cfg.block_n, cfg.block_n)
       wg_sl = pl.ds(wg * wg_m, wg_m)
@@ -498,69 +473,6 @@ def _line_up(barrier):
   Barrier of one arrival per compute warpgroup)."""
   plgpu.barrier_arrive(barrier)
   plgpu.barrier_wait(barrier)
-
-
-def _chained_kernel(a_gmem, b_gmem, s_gmem, *refs, cfg: Config,
-                    m_iters: int, n_iters: int, k_iters: int, stages: int,
-                    num_ctas: int):
-  """`_kernel` as one pipeline over (tile, k) steps of this CTA's tiles.
-
-  CTA c owns tiles c, c + num_ctas, ...; every CTA runs
-  ceil(tiles / num_ctas) of them, the surplus ones recomputing the last tile
-  without writing it (they would otherwise idle), so the grid is static.
-  The carry is the FP32 accumulator; step (t, 0) writes tile t - 1 and
-  restarts it, and the context writes the last tile.
-  """
-  wg_m = cfg.wg_m
-  num_tiles = m_iters * n_iters
-  tiles_per_cta = pl.cdiv(num_tiles, num_ctas)
-  sm = lax.axis_index('sm')
-  cta = lax.axis_index('cluster')
-  wg = lax.axis_index('wg')
-  wg_sl = pl.ds(wg * wg_m, wg_m)
-  write_tile = _tile_writer(cfg, s_gmem, refs)
-
-  def tile(t):
-    """(m block, n block, whether this CTA writes it) of its t-th tile."""
-    lin = sm + t * num_ctas
-    mc, ni = plgpu.planar_snake(
-        jnp.minimum(lin, num_tiles - 1), (m_iters, n_iters),
-        0 if cfg.grid_minor_m else 1, cfg.grid_tile_width)
-    return mc * cfg.cluster_m + cta, ni, lin < num_tiles
-
-  def write(acc, t):
-    mi, ni, owned = tile(t)
-    pl.when(owned)(lambda: write_tile(acc, mi, ni, wg))
-
-  def body(idx, a_smem, b_smem, carry):
-    t, k = idx
-
-    def write_previous():
-      pl.when((k == 0) & (t > 0))(lambda: write(carry, t - 1))
-
-    if not cfg.overlap_epilogue:
-      write_previous()
-
-    def step(*accs):
-      _issue_wgmmas(accs, a_smem, b_smem, wg_sl)
-      if cfg.overlap_epilogue:
-        write_previous()
-      # A cond, not a select: warpgroup semantics has no scalar-predicate
-      # select, and a product with 0 would carry a NaN into the next tile.
-      start = lax.cond(k == 0, lambda: _zero_acc(cfg), lambda: carry)
-      return _promote(start, accs)
-    return pl.run_scoped(
-        step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * cfg.split_k)
-
-  def context(run_pipeline):
-    write(run_pipeline(_zero_acc(cfg)), tiles_per_cta - 1)
-
-  _pipeline(body, context, cfg=cfg, grid=(tiles_per_cta, k_iters),
-            a_index=lambda t, k: (tile(t)[0], k),
-            b_index=lambda t, k: (tile(t)[1], k),
-            a_dtype=a_gmem.dtype, b_dtype=b_gmem.dtype,
-            stages=stages)(a_gmem, b_gmem)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def fp8_matmul_mosaic(a: jax.Array, b: jax.Array, scale: jax.Array, *,
@@ -678,7 +590,7 @@ def _jit_call_kernel(a, b, scale, out_dtype, config, lowering_semantics,
                           transforms=_transforms(out_dtype, epi_n))
     scratch = [out_smem]
   if cfg.pad_mn or grouped:
-    mp = _round_up(m, cfg.block_m * cfg.cluster_m)
+    mp = _round_up(m, cfg.block_m)
     np_ = _round_up(n, cfg.block_n)
   else:  # TMA stores need N to be whole columns of the output's SMEM tiling.
     mp, np_ = m, _round_up(n, out_smem.transforms[0].tiling[1])
@@ -687,24 +599,19 @@ def _jit_call_kernel(a, b, scale, out_dtype, config, lowering_semantics,
     a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
   if (np_, kp) != (n, k):
     b = jnp.pad(b, ((0, np_ - n), (0, kp - k)))
-  m_iters = pl.cdiv(mp, cfg.block_m * cfg.cluster_m)
+  m_iters = pl.cdiv(mp, cfg.block_m)
   n_iters = pl.cdiv(np_, cfg.block_n)
   k_iters = kp // cfg.block_k
   out_types = (jax.ShapeDtypeStruct((mp, np_), out_dtype),)
   if grouped:
     out_types += (jax.ShapeDtypeStruct((mp, np_ // GROUP), jnp.float32),)
-  num_ctas = num_sms // cfg.cluster_m
-  kernel = (functools.partial(_chained_kernel, num_ctas=num_ctas)
-            if cfg.chain_tiles else _kernel)
   f = plgpu.kernel(
-      functools.partial(kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
+      functools.partial(_kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
                         k_iters=k_iters, stages=stages),
       out_type=out_types,
       scratch_types=scratch,
-      grid=(num_ctas,),
+      grid=(num_sms,),
       grid_names=('sm',),
-      cluster=(cfg.cluster_m,),
-      cluster_names=('cluster',),
       num_threads=cfg.compute_wgs + 1,
       thread_name='wg',
       compiler_params=plgpu.CompilerParams(

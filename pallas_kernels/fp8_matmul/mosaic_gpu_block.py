@@ -35,9 +35,8 @@ makes row m of the output NaN, a NaN in b_scale makes its block's (or
 row's) output columns NaN; a zero scale times an Inf partial sum is NaN.
 
 Needs Config(promote=True) with block_k == 128 * split_k (one scale per
-wgmma partial), cluster_m == 1, chain_tiles False, and block_n == 128 for
-'block' scales (a multiple of 32 for 'row'). Runs on Hopper GPUs with jax
-0.11.2; imports anywhere.
+wgmma partial) and block_n == 128 for 'block' scales (a multiple of 32
+for 'row'). Runs on Hopper GPUs with jax 0.11.2; imports anywhere.
 """
 
 from __future__ import annotations
@@ -73,9 +72,6 @@ def validate_config(cfg: Config, b_granularity: str):
     raise ValueError(
         f'{cfg}: block scales need promote=True and block_k == 128 *'
         ' split_k (one wgmma partial per 128 of K).')
-  if cfg.cluster_m != 1 or cfg.chain_tiles:
-    raise ValueError(f'{cfg}: block scales need cluster_m=1 and'
-                     ' chain_tiles=False.')
   if b_granularity == 'block' and cfg.block_n != SCALE_BLOCK:
     raise ValueError(f'block_n={cfg.block_n}: \'block\' b scales need'
                      ' block_n == 128 (one scale per tile and K block).')

@@ -204,8 +204,6 @@ def test_validation_of_odd_n_block_scales():
      'promote=True and block_k == 128'),
     (mosaic_gpu.Config(block_k=256, split_k=1), 'row',
      'promote=True and block_k == 128'),
-    (mosaic_gpu.Config(cluster_m=2), 'block', 'cluster_m=1'),
-    (mosaic_gpu.Config(chain_tiles=True), 'row', 'chain_tiles=False'),
     (mosaic_gpu.Config(block_n=144, block_k=128, split_k=1), 'block',
      'block_n == 128'),
     (mosaic_gpu.Config(block_n=144, block_k=128, split_k=1), 'row',

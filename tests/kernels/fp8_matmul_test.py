@@ -256,14 +256,10 @@ def test_validation(kwargs, match):
                args.pop('b_scale'), **args)
 
 
-# Mosaic GPU kernel variants: the default, one pipeline across a CTA's tiles
-# (with and without the epilogue after the next wgmmas), clusters.
+# Mosaic GPU kernel variants: the default, cuBLASLt's tile shapes with the
+# edges left to TMA, three compute warpgroups, stage release and tile overlap.
 MOSAIC_CONFIGS = [
     mosaic_gpu.Config(),
-    mosaic_gpu.Config(chain_tiles=True),
-    mosaic_gpu.Config(chain_tiles=True, overlap_epilogue=True),
-    mosaic_gpu.Config(chain_tiles=True, cluster_m=2),
-    mosaic_gpu.Config(block_k=128, split_k=1, chain_tiles=True),
     mosaic_gpu.Config(block_n=144, block_k=128, split_k=1, max_stages=6,
                       pad_mn=False),
     mosaic_gpu.Config(block_n=160, block_k=128, split_k=1, max_stages=5,
@@ -274,10 +270,14 @@ MOSAIC_CONFIGS = [
     dataclasses.replace(mosaic_gpu.THREE_WG_CONFIG, early_release=False),
     dataclasses.replace(mosaic_gpu.THREE_WG_CONFIG, overlap_tiles=False),
 ]
-MOSAIC_IDS = ['default', 'chain', 'chain_overlap', 'chain_cluster2',
-              'chain_k128', 'n144_tma_edges', 'n160_tma_edges',
+MOSAIC_IDS = ['default', 'n144_tma_edges', 'n160_tma_edges',
               'three_wg_tma_edges', 'three_wg_padded', 'early_release',
               'three_wg_late_release', 'three_wg_drained']
+
+
+# The grouped epilogue's: two and three compute warpgroups.
+GROUPS_CONFIGS = [mosaic_gpu.DEFAULT_CONFIG, mosaic_gpu.THREE_WG_CONFIG]
+GROUPS_IDS = ['default', 'three_wg']
 
 
 @pytest.mark.parametrize('config', MOSAIC_CONFIGS, ids=MOSAIC_IDS)
@@ -323,11 +323,6 @@ def test_mosaic_epilogue_chunks_and_register_bound():
 
 
 def test_mosaic_config_errors():
-  with pytest.raises(ValueError, match='chain_tiles needs promote'):
-    mosaic_gpu.Config(block_n=256, block_k=128, promote=False, split_k=1,
-                      chain_tiles=True).validate(1)
-  with pytest.raises(ValueError, match='overlap_epilogue needs chain_tiles'):
-    mosaic_gpu.Config(overlap_epilogue=True).validate(1)
   with pytest.raises(ValueError, match='compute_wgs=4 must be 2 or 3'):
     mosaic_gpu.Config(compute_wgs=4).validate(1)
   with pytest.raises(ValueError, match='multiple of 192'):
@@ -335,11 +330,9 @@ def test_mosaic_config_errors():
   with pytest.raises(ValueError, match='192 accumulator registers'):
     mosaic_gpu.Config(block_m=192, compute_wgs=3).validate(1)  # split_k 2
   with pytest.raises(ValueError, match='early_release needs promote'):
-    mosaic_gpu.Config(chain_tiles=True, early_release=True).validate(1)
-  for bad in (dict(chain_tiles=True), dict(cluster_m=2),
-              dict(promote=False, split_k=1)):
-    with pytest.raises(ValueError, match='overlap_tiles needs promote'):
-      mosaic_gpu.Config(overlap_tiles=True, **bad).validate(1)
+    mosaic_gpu.Config(promote=False, split_k=1, early_release=True).validate(1)
+  with pytest.raises(ValueError, match='overlap_tiles needs promote'):
+    mosaic_gpu.Config(promote=False, split_k=1, overlap_tiles=True).validate(1)
 
 
 def test_overlapped_tiles_need_whole_rounds_of_stages():
@@ -456,8 +449,8 @@ def test_kernel_accuracy_vs_cublaslt_precise(implementation, a_dtype, b_dtype,
                                  (4224, 2176, 2048), (656, 400, 272)])
 def test_mosaic_configs_exact_and_nan_stays_in_its_tile(config, mnk):
   """Exact on small integers with fewer, a few more and many more tiles than
-  CTAs (chained pipelines then carry the accumulator across tiles,
-  overlapped ones their stages; THREE_WG_CONFIG's 4, 8, 4, 16 and 3 K steps
+  CTAs (overlapped pipelines then carry their stages across tiles;
+  THREE_WG_CONFIG's 4, 8, 4, 16 and 3 K steps
   overlap, its 6 drain) and with M, N, K that divide no tile; a NaN in one
   row of A poisons that row only."""
   m, n, k = mnk
@@ -615,7 +608,7 @@ def test_groups_validation():
         a, b, jnp.float32(1), config=mosaic_gpu.Config(block_n=96))
 
 
-@pytest.mark.parametrize('config', MOSAIC_CONFIGS[:2], ids=MOSAIC_IDS[:2])
+@pytest.mark.parametrize('config', GROUPS_CONFIGS, ids=GROUPS_IDS)
 @pytest.mark.parametrize('dtype', [E4M3, E5M2])
 def test_mosaic_groups_lower_for_cuda(config, dtype):
   # E4M3 x E4M3, as in test_mosaic_kernel_lowers_for_cuda.
@@ -633,7 +626,7 @@ def test_mosaic_groups_lower_for_cuda(config, dtype):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize('config', MOSAIC_CONFIGS[:2], ids=MOSAIC_IDS[:2])
+@pytest.mark.parametrize('config', GROUPS_CONFIGS, ids=GROUPS_IDS)
 @pytest.mark.parametrize('dtype', [E4M3, E5M2])
 @pytest.mark.parametrize('mnk', [(256, 256, 512), (208, 208, 512),
                                  (2048, 1152, 1024)])
