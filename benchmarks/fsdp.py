@@ -246,7 +246,7 @@ def run_train_point(p: dict) -> dict:
                                                 p['steps'])
     state, metrics = compiled(state, *batch)
     loss = float(metrics['loss'])
-    nccl = None
+    nccl = kernels = idle_ms = None
     if p.get('profile'):
       trace_dir = tempfile.mkdtemp(prefix='fsdp_trace_')
       with jax.profiler.trace(trace_dir):
@@ -254,6 +254,8 @@ def run_train_point(p: dict) -> dict:
           state, metrics = compiled(state, *batch)
         jax.block_until_ready(metrics)
       nccl = step_profile.collectives_by_kind(trace_dir, PROFILE_STEPS)
+      kernels = step_profile.class_totals(trace_dir, PROFILE_STEPS)
+      idle_ms = step_profile.kernel_gaps(trace_dir, PROFILE_STEPS)[0]
       shutil.rmtree(trace_dir, ignore_errors=True)
   peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use')
            for d in devices]
@@ -268,7 +270,8 @@ def run_train_point(p: dict) -> dict:
       peak_bytes_per_device=peaks, step_bytes=step_bytes,
       bytes_in_use_after_init=max(in_use) if all(in_use) else None,
       compile_s=compile_s, init_s=init_s, loss=loss, sharding=placed,
-      collectives=hlo, **({} if nccl is None else {'nccl': nccl}))
+      collectives=hlo, **({} if nccl is None else dict(
+          nccl=nccl, kernel_classes=kernels, idle_ms=idle_ms)))
 
 
 def run_restore_point(p: dict) -> dict:
@@ -653,6 +656,23 @@ def tables(records: list[dict]) -> str:
           f' {r["step_ms"]:.1f} | {sum(v[1] for v in per.values()):.1f} |'
           f' {sum(v[2] for v in per.values()):.1f} | ' + ' | '.join(cells)
           + ' |')
+    out.append('\nGPU kernel ms a step by op class (`step_profile.classify`;'
+               ' the mean over the devices), and the busiest stream\'s idle'
+               ' time between kernels (--profile):\n')
+    classes = sorted({k for r in profiled
+                      for k in r.get('kernel_classes') or {}})
+    out.append('| run | devices | batch | step ms | ' + ' | '.join(classes)
+               + ' | all kernels | idle ms |')
+    out.append('|---' * (6 + len(classes)) + '|')
+    for r in profiled:
+      per = r.get('kernel_classes') or {}
+      idle = r.get('idle_ms')
+      out.append(
+          f'| {r["name"]} {r["preset"]} | {r["devices"]} | {r["batch"]} |'
+          f' {r["step_ms"]:.1f} | '
+          + ' | '.join(f'{per[k]:.1f}' if k in per else '' for k in classes)
+          + f' | {sum(per.values()):.1f} |'
+          f' {"" if idle is None else f"{idle:.1f}"} |')
   restores = [r for r in records if r['kind'] == 'restore']
   if restores:
     out.append('\nCheckpoint restored on fewer devices (coat): loss per'

@@ -97,6 +97,14 @@ def _totals(stats):
   return collections.Counter({name: ms for name, (ms, _) in stats.items()})
 
 
+def class_totals(trace_dir, steps):
+  """{op class (`classify`): GPU kernel ms per step, per device}."""
+  by_class = collections.Counter()
+  for name, ms in kernel_totals(trace_dir, steps).items():
+    by_class[classify(name)] += ms
+  return dict(by_class)
+
+
 @functools.lru_cache(maxsize=2)  # a trace is read once for each table
 def _gpu_streams(trace_dir):
   """[the GPU stream lines of one device] for each GPU in the trace in

@@ -101,10 +101,16 @@ def test_profiled_points_table_nccl_time_by_collective():
   coat['step_ms'] = 268.9
   coat['nccl'] = {'all-gather': [465.0, 41.95, 20.91],
                   'reduce-scatter': [160.0, 39.4, 11.47]}
+  coat['kernel_classes'] = {'fp8 gemm': 120.04, 'collectives (nccl)': 81.35}
+  coat['idle_ms'] = 3.26
   bf16 = _train('bf16', 2, 4, 8000.0, 62 * 2**30)  # not profiled
   text = fsdp.tables([coat, bf16])
   assert ('| coat llama2_7b | 2 | 4 | 268.9 | 81.3 | 32.4 | 42.0 (20.9) |'
           ' 39.4 (11.5) |') in text
+  assert ('| run | devices | batch | step ms | collectives (nccl) | fp8 gemm'
+          ' | all kernels | idle ms |') in text
+  assert ('| coat llama2_7b | 2 | 4 | 268.9 | 81.3 | 120.0 | 201.4 | 3.3 |'
+          in text)
   assert '| bf16 llama2_7b |' not in text
 
 
@@ -153,6 +159,7 @@ def test_one_point_on_cpu_devices(tmp_path, capsys):
   assert params['per_device'] < params['total'] / 7
   assert any(k.startswith('all-gather') for k in r['collectives'])
   assert r['profile'] and r['nccl'] == {}  # traced; no GPU kernels on CPU
+  assert r['kernel_classes'] == {} and r['idle_ms'] == 0
   assert '| equal | coat | tiny | 8 | 8 |' in capsys.readouterr().out
   assert fsdp.main(argv) == 0
   assert f'(from {out})' in capsys.readouterr().out

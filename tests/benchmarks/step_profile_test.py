@@ -36,3 +36,15 @@ def test_nccl_kernels_by_collective_with_their_time_not_hidden():
   assert got == {'all-gather': (1.0, 12.5, 7.5),  # (5 + 10) / 2 ms
                  'reduce-scatter': (0.5, 4.0, 4.0)}
   assert step_profile.split_by_kind([], compute, 1) == {}
+
+
+def test_class_totals_sum_each_kernel_into_its_op_class(monkeypatch):
+  kernels = {'ncclDevKernel_AllGather_RING_LL': 2.0,
+             'nvjet_sm90_qqtst_128x128': 5.0, 'nvjet_sm90_bf16_64x64': 1.5,
+             'input_reduce_fusion_3': 0.25, 'loop_add_fusion': 0.5,
+             'loop_multiply_fusion': 0.75}
+  monkeypatch.setattr(step_profile, 'kernel_totals',
+                      lambda trace_dir, steps: kernels)
+  assert step_profile.class_totals('unused', 3) == {
+      'collectives (nccl)': 2.0, 'fp8 gemm': 5.0, 'gemm': 1.5,
+      'reduce': 0.25, 'fusion (elementwise)': 1.25}
