@@ -4,7 +4,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from coat_jax.nn import fsdp
 from pallas_kernels import _common
 
 
@@ -34,6 +36,9 @@ def chunked_cross_entropy(
       benchmarks/RESULTS.md "e2e-1b").
     dtype: matmul input dtype; logits accumulate in float32.
 
+  Under an FSDP mesh (`coat_jax.nn.fsdp`: Auto axes, tokens sharded over
+  'data' x 'fsdp') each device runs the chunks of its own tokens.
+
   Returns:
     (loss_sum, count): float32 scalars, the summed loss over the targets that
     are >= 0 and their number.
@@ -49,6 +54,42 @@ def chunked_cross_entropy(
   width = hidden.shape[-1]
   h = hidden.reshape(-1, width).astype(dtype)
   t = targets.reshape(-1).astype(jnp.int32)
+  shards = fsdp.batch_shards(t.shape[0])
+  if shards > 1:
+    return _per_device_totals(h, head, t, chunk_size, jnp.dtype(dtype))
+  return _totals(h, head, t, chunk_size, jnp.dtype(dtype))
+
+
+def _per_device_totals(h, head, t, chunk_size, dtype):
+  """`_totals` of each device's tokens under an FSDP mesh (Auto axes), the
+  head gathered whole, the sums and the head's gradient summed over the
+  devices.
+
+  Left to the partitioner, the chunk loop's (T / chunk, chunk, H) tokens
+  lost their batch sharding: under FSDP XLA moved the activations to H
+  slices (an all-to-all) and all-reduced every chunk's float32 partial
+  logits (262 MB a chunk at vocab 32000) on the critical path; under data
+  parallelism every device gathered and ran the whole batch's chunks. Here
+  the float32 head is all-gathered once and its gradient all-reduced once
+  (Llama-2-7B dims on 4 H200s: 1.094x the step's tokens/s at 22 sequences
+  a GPU, benchmarks/RESULTS.md "fsdp-4").
+  """
+  axes = fsdp.BATCH_AXES
+
+  def local(h, head, t):
+    # The head varies over the devices from here on, so that its
+    # gradient (each device's tokens' part) is summed over them.
+    head = jax.lax.pcast(head, axes, to='varying')
+    totals = _totals(h, head, t, chunk_size, dtype)
+    return tuple(jax.lax.psum(x, axes) for x in totals)
+
+  return jax.shard_map(
+      local, in_specs=(P(axes), P(), P(axes)), out_specs=(P(), P()),
+      axis_names=set(axes))(h, head, t)
+
+
+def _totals(h, head, t, chunk_size, dtype):
+  """(loss sum, count) of (T, H) h in dtype against (T,) targets t."""
   tokens = t.shape[0]
   chunk = min(chunk_size, tokens)
   # Tokens sharded by Explicit mesh axes (None elsewhere): see `_chunks`.
@@ -60,7 +101,7 @@ def chunked_cross_entropy(
   if pad:
     h = jnp.pad(h, ((0, pad), (0, 0)))
     t = jnp.pad(t, (0, pad), constant_values=-1)
-  totals = _chunk_totals(h, head, t, chunk, token_axes, jnp.dtype(dtype),
+  totals = _chunk_totals(h, head, t, chunk, token_axes, dtype,
                          jnp.dtype(head.dtype))
   return totals[0], totals[1]
 
@@ -150,7 +191,7 @@ def _chunk_totals_fwd(h, head, t, chunk, token_axes, dtype, head_dtype):
                       out_sharding=_common.dot_out_sharding(h_c.T, g, 0, 1))
     return dw, (totals, dh_c.astype(dtype))
 
-  dw = jnp.zeros(w.shape, jnp.float32)
+  dw = jnp.zeros_like(w, jnp.float32)  # varying where w is (shard_map)
   dw, (totals, dh) = jax.lax.scan(
       body, dw, (_chunks(h, chunk, token_axes), _chunks(t, chunk, token_axes)))
   return jnp.sum(totals, axis=0), (_unchunks(dh, token_axes), dw)

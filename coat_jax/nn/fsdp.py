@@ -170,6 +170,17 @@ def _amax_across(amax: jax.Array, axes) -> jax.Array:
   return _common.tensor_abs_max(jax.lax.all_gather(amax, axes))
 
 
+def batch_shards(rows: int) -> int:
+  """The devices a (rows, ...) batch-sharded array is split over: the
+  ('data', 'fsdp') shards of an FSDP mesh ('tensor' 1) when they divide
+  `rows`, else 1 (no mesh, Explicit axes, one shard)."""
+  mesh = _mesh()
+  if mesh is None or mesh.shape.get(TENSOR_AXIS, 1) > 1:
+    return 1
+  shards = _batch_shards(mesh)
+  return shards if rows % shards == 0 else 1
+
+
 def grads_summed_across_devices() -> bool:
   """Whether each weight's gradient is summed over several devices here
   (an FSDP mesh whose batch axes hold more than one shard)."""
@@ -181,11 +192,7 @@ def pallas_on_shards(rows: int) -> bool:
   """Whether `row_wise` runs its kernel on each device's rows here: under
   an FSDP mesh of several batch shards (and 'tensor' 1), on GPUs that run
   the Pallas kernels, with `rows` a multiple of the shards."""
-  mesh = _mesh()
-  if mesh is None or mesh.shape.get(TENSOR_AXIS, 1) > 1:
-    return False
-  shards = _batch_shards(mesh)
-  return shards > 1 and rows % shards == 0 and _common.gpus_run_pallas()
+  return batch_shards(rows) > 1 and _common.gpus_run_pallas()
 
 
 def row_wise(kernel, args, in_kinds, out_kinds):

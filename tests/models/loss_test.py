@@ -1,5 +1,7 @@
 """Chunked cross entropy against a full-softmax float32 reference."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +125,42 @@ def test_a_bf16_head_gets_a_bf16_gradient_rounded_once():
   # rounded once to bfloat16.
   np.testing.assert_array_equal(np.asarray(g16),
                                 np.asarray(g32.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize('shape', [(1, 8, 1), (2, 4, 1), (8, 1, 1)])
+def test_batch_sharded_tokens_stay_on_their_devices(shape):
+  """Under an FSDP mesh each device runs the chunk loop on its own tokens
+  (`jax.shard_map`) with the head gathered whole: the loss, dh and dw are
+  one device's up to rounding (GEMM shapes, the order of the sum over
+  devices); the loop moves no
+  activations (no all-to-all) and the step's only all-reduce is the one
+  after it (left to the partitioner, XLA sharded the chunks along H and
+  all-reduced each chunk's float32 logits)."""
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  from coat_jax.training import sharding  # noqa: PLC0415
+
+  hidden, head, targets = _inputs(8, 64, 32, 300)
+  grad = jax.jit(jax.value_and_grad(
+      lambda h, w, t: chunked_cross_entropy(h, w, t, chunk_size=16)[0],
+      argnums=(0, 1)))
+  loss, (dh, dw) = grad(hidden, head, targets)
+  mesh = sharding.make_mesh(shape)
+  batch = NamedSharding(mesh, P(('data', 'fsdp')))
+  args = (jax.device_put(hidden, batch),
+          jax.device_put(head, NamedSharding(mesh, P('fsdp'))),
+          jax.device_put(targets, batch))
+  with jax.set_mesh(mesh):
+    hlo = grad.lower(*args).compile().as_text()
+    got_loss, (got_dh, got_dw) = grad(*args)
+  np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
+  # dh per token: at most one bf16 ulp apart (the GEMMs' shapes differ).
+  np.testing.assert_allclose(np.asarray(got_dh, np.float32),
+                             np.asarray(dh, np.float32), rtol=2**-7, atol=0)
+  np.testing.assert_allclose(got_dw, dw, rtol=1e-5, atol=1e-6)
+  assert 'all-to-all' not in hlo
+  assert hlo.count(' all-reduce(') == 1, hlo
+  for body in re.findall(r'body=(%[\w.-]+)', hlo):
+    block = hlo[hlo.index(f'\n{body} '):]
+    assert ' all-reduce(' not in block[:block.index('\n}')], body
