@@ -127,15 +127,16 @@ def test_a_bf16_head_gets_a_bf16_gradient_rounded_once():
                                 np.asarray(g32.astype(jnp.bfloat16)))
 
 
+@pytest.mark.parametrize('chunk_size', [16, 24])  # 24: each device pads
 @pytest.mark.parametrize('shape', [(1, 8, 1), (2, 4, 1), (8, 1, 1)])
-def test_batch_sharded_tokens_stay_on_their_devices(shape):
-  """Under an FSDP mesh each device runs the chunk loop on its own tokens
-  (`jax.shard_map`) with the head gathered whole: the loss, dh and dw are
-  one device's up to rounding (GEMM shapes, the order of the sum over
-  devices); the loop moves no
-  activations (no all-to-all) and the step's only all-reduce is the one
-  after it (left to the partitioner, XLA sharded the chunks along H and
-  all-reduced each chunk's float32 logits)."""
+def test_batch_sharded_tokens_stay_on_their_devices(shape, chunk_size):
+  """Under an FSDP or data-parallel mesh each device runs the chunk loop on
+  its own tokens (`jax.shard_map`) with the head gathered whole: the loss,
+  dh and dw are one device's up to rounding (GEMM shapes, the order of the
+  sum over devices); the loop moves no activations (no all-to-all) and the
+  step's only all-reduce follows it. Left to the partitioner, XLA sharded
+  the chunks along H and all-reduced each chunk's float32 logits (FSDP) or
+  gathered the whole batch on every device (data parallel)."""
   from jax.sharding import NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
@@ -143,7 +144,8 @@ def test_batch_sharded_tokens_stay_on_their_devices(shape):
 
   hidden, head, targets = _inputs(8, 64, 32, 300)
   grad = jax.jit(jax.value_and_grad(
-      lambda h, w, t: chunked_cross_entropy(h, w, t, chunk_size=16)[0],
+      lambda h, w, t: chunked_cross_entropy(h, w, t,
+                                            chunk_size=chunk_size)[0],
       argnums=(0, 1)))
   loss, (dh, dw) = grad(hidden, head, targets)
   mesh = sharding.make_mesh(shape)
