@@ -2,14 +2,14 @@
 
 out = (a @ b.T) * scale with a (M, K) and b (N, K), both K-major FP8.
 
-The kernel is persistent (one CTA per SM) and warp
-specialized: one memory warpgroup streams (block_m, block_k) tiles of A and
-(block_n, block_k) tiles of B into shared memory with TMA, two or three
-compute warpgroups each own 64 or more rows of the output tile and issue
-wgmma. `select_config` picks the tiling per shape.
-B stays (N, K) in shared memory with an (8, 128) tiling and a 128-byte
-swizzle and is fed to wgmma as ``b_smem.T``, which FP8 wgmma accepts since
-K is the fastest dimension of both operands.
+The kernel is persistent (one CTA per SM) and warp specialized: one memory
+warpgroup streams (block_m, block_k) tiles of A and (block_n, block_k)
+tiles of B into shared memory with TMA, two or three compute warpgroups
+each own 64 or more rows of the output tile and issue wgmma.
+`select_config` picks the tiling per shape. B stays (N, K) in shared memory
+with an (8, 128) tiling and a 128-byte swizzle and is fed to wgmma as
+``b_smem.T``, which FP8 wgmma accepts since K is the fastest dimension of
+both operands.
 
 Hopper's FP8 tensor cores add partial products with reduced precision. With
 ``promote=True`` (the default) every ``block_k // split_k`` (default 128)
