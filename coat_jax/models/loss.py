@@ -54,8 +54,7 @@ def chunked_cross_entropy(
   width = hidden.shape[-1]
   h = hidden.reshape(-1, width).astype(dtype)
   t = targets.reshape(-1).astype(jnp.int32)
-  shards = fsdp.batch_shards(t.shape[0])
-  if shards > 1:
+  if fsdp.batch_shards(t.shape[0]) > 1:
     return _per_device_totals(h, head, t, chunk_size, jnp.dtype(dtype))
   return _totals(h, head, t, chunk_size, jnp.dtype(dtype))
 

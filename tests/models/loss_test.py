@@ -4,10 +4,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
 from coat_jax.models.loss import chunked_cross_entropy
+from coat_jax.training import sharding
 
 
 def _reference(hidden, head, targets):
@@ -137,11 +140,6 @@ def test_batch_sharded_tokens_stay_on_their_devices(shape, chunk_size):
   step's only all-reduce follows it. Left to the partitioner, XLA sharded
   the chunks along H and all-reduced each chunk's float32 logits (FSDP) or
   gathered the whole batch on every device (data parallel)."""
-  from jax.sharding import NamedSharding  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-
-  from coat_jax.training import sharding  # noqa: PLC0415
-
   hidden, head, targets = _inputs(8, 64, 32, 300)
   grad = jax.jit(jax.value_and_grad(
       lambda h, w, t: chunked_cross_entropy(h, w, t,
