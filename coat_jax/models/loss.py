@@ -70,7 +70,7 @@ def _per_device_totals(h, head, t, chunk_size, dtype):
   logits (262 MB a chunk at vocab 32000) on the critical path; under data
   parallelism every device gathered and ran the whole batch's chunks. Here
   the float32 head is all-gathered once and its gradient all-reduced once
-  (Llama-2-7B dims on 4 H200s: 1.094x the step's tokens/s at 22 sequences
+  (Llama-2-7B dims on 4 H200s: 1.09x the step's tokens/s at 22 sequences
   a GPU, benchmarks/RESULTS.md "fsdp-4").
   """
   axes = fsdp.BATCH_AXES
