@@ -72,6 +72,9 @@ _ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMPUTATION = re.compile(r'^(ENTRY )?%?(\S+) .*\{\s*$')
 _BITS = re.compile(r'(\d+)')
+_CALLED = re.compile(
+    r'\b(body|condition|calls|to_apply|true_computation|false_computation|'
+    r'branch_computations)=\{?(%?[\w.\-]+(?:, ?%?[\w.\-]+)*)')
 
 
 def _itemsize(dtype: str) -> float:
@@ -89,9 +92,12 @@ def collectives(hlo: str) -> list[dict]:
   Each: kind ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all',
   'collective-permute'), arrays [(dtype, shape)] of its result (a tuple for
   combined collectives; async '-start' ops count once), dtype (the first
-  array's), bytes (the result's, per device), op_name (jax's), computation
-  and entry (False inside a loop body or other called computation).
+  array's), bytes (the result's, per device), op_name (jax's), computation,
+  entry (False inside a loop body or other called computation, an async
+  collective's wrapper included) and in_loop (inside a while loop's body
+  or condition, or a computation they call).
   """
+  loop_computations = _loop_computations(hlo)
   out, computation, entry = [], None, False
   for line in hlo.splitlines():
     m = _COMPUTATION.match(line)
@@ -112,8 +118,34 @@ def collectives(hlo: str) -> list[dict]:
         dtype=arrays[0][0] if arrays else '?',
         bytes=sum(math.prod(s) * _itemsize(d) for d, s in arrays),
         op_name=op.group(1) if op else '', computation=computation,
-        entry=entry))
+        entry=entry, in_loop=computation in loop_computations))
   return out
+
+
+def _loop_computations(hlo: str) -> set[str]:
+  """Names of the computations that run inside a while loop: its bodies and
+  conditions, and everything they call."""
+  calls, loops, computation = {}, set(), None
+  for line in hlo.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and ' = ' not in line:
+      computation = m.group(2)
+      calls[computation] = set()
+      continue
+    if computation is None:
+      continue
+    for key, names in _CALLED.findall(line):
+      names = {n.strip().lstrip('%') for n in names.split(',')}
+      calls[computation] |= names
+      if key in ('body', 'condition'):
+        loops |= names
+  todo = list(loops)
+  while todo:
+    for name in calls.get(todo.pop(), ()):
+      if name not in loops:
+        loops.add(name)
+        todo.append(name)
+  return loops
 
 
 def summarize(colls: list[dict]) -> dict:
@@ -124,7 +156,7 @@ def summarize(colls: list[dict]) -> dict:
                          dict(count=0, bytes=0, in_loops=0))
     row['count'] += 1
     row['bytes'] += c['bytes']
-    row['in_loops'] += not c['entry']
+    row['in_loops'] += c['in_loop']
   return dict(sorted(out.items()))
 
 

@@ -7,10 +7,23 @@ from benchmarks import fsdp
 HLO = """\
 HloModule jit_train_step
 
+%loop_rs (p.2: bf16[64,64]) -> bf16[16,64] {
+  ROOT %rs.2 = bf16[16,64]{1,0} reduce-scatter(%p.2), dimensions={0}
+}
+
 %body (p: (s32[], f32[2,16,64])) -> (s32[], f32[2,16,64]) {
   %ag = f8e4m3fn[128,64]{1,0} all-gather(%c), channel_id=3, dimensions={0}, metadata={op_name="jit(train_step)/while/body/sharding_constraint"}
   %ar.1 = (f32[128,64]{1,0}, f32[], bf16[128]{0}) all-reduce(%a, %b, %d), to_apply=%add
+  %rs.3 = ((bf16[64,64]{1,0}), bf16[16,64]{1,0}) async-start(%g.2), calls=%loop_rs
   ROOT %t = (s32[], f32[2,16,64]) tuple(%i, %x)
+}
+
+%cond (p.1: (s32[], f32[2,16,64])) -> pred[] {
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+%entry_rs (p.3: bf16[64,64]) -> bf16[16,64] {
+  ROOT %rs.4 = bf16[16,64]{1,0} reduce-scatter(%p.3), dimensions={0}
 }
 
 ENTRY %main.1 (a: f32[8,32]) -> f32[] {
@@ -18,6 +31,8 @@ ENTRY %main.1 (a: f32[8,32]) -> f32[] {
   %ags = (f32[16,64]{1,0}, f32[128,64]{1,0}) all-gather-start(%w), dimensions={0}
   %rs = bf16[16,64]{1,0} reduce-scatter(%g), dimensions={0}
   %two = ((f32[16,64]{1,0}, bf16[8]{0}), (f32[128,64]{1,0}, bf16[64]{0})) all-gather-start(%w, %v), dimensions={0}
+  %w.1 = (s32[], f32[2,16,64]) while(%init), condition=%cond, body=%body
+  %rs.5 = ((bf16[64,64]{1,0}), bf16[16,64]{1,0}) async-start(%g.3), calls=%entry_rs
   ROOT %r = f32[] all-reduce(%l), to_apply=%add
 }
 """  # noqa: E501 (HLO lines as XLA prints them)
@@ -25,22 +40,28 @@ ENTRY %main.1 (a: f32[8,32]) -> f32[] {
 
 def test_collectives_by_kind_dtype_bytes_and_place():
   colls = fsdp.collectives(HLO)
-  assert [(c['kind'], c['dtype'], c['entry']) for c in colls] == [
-      ('all-gather', 'f8e4m3fn', False), ('all-reduce', 'f32', False),
-      ('all-gather', 's32', True), ('all-gather', 'f32', True),
-      ('reduce-scatter', 'bf16', True), ('all-gather', 'f32', True),
-      ('all-reduce', 'f32', True)]
-  assert colls[0]['bytes'] == 128 * 64
-  assert colls[0]['op_name'].endswith('sharding_constraint')
-  assert colls[1]['bytes'] == 128 * 64 * 4 + 4 + 128 * 2
-  assert colls[3]['arrays'] == [('f32', (128, 64))]  # an async start's result
-  assert colls[4]['bytes'] == 16 * 64 * 2
-  assert colls[5]['arrays'] == [('f32', (128, 64)), ('bf16', (64,))]
+  assert [(c['kind'], c['dtype'], c['entry'], c['in_loop'])
+          for c in colls] == [
+      ('reduce-scatter', 'bf16', False, True),  # wrapped, in the loop
+      ('all-gather', 'f8e4m3fn', False, True),
+      ('all-reduce', 'f32', False, True),
+      ('reduce-scatter', 'bf16', False, False),  # wrapped, outside loops
+      ('all-gather', 's32', True, False), ('all-gather', 'f32', True, False),
+      ('reduce-scatter', 'bf16', True, False),
+      ('all-gather', 'f32', True, False), ('all-reduce', 'f32', True, False)]
+  assert colls[1]['bytes'] == 128 * 64
+  assert colls[1]['op_name'].endswith('sharding_constraint')
+  assert colls[2]['bytes'] == 128 * 64 * 4 + 4 + 128 * 2
+  assert colls[5]['arrays'] == [('f32', (128, 64))]  # an async start's result
+  assert colls[6]['bytes'] == 16 * 64 * 2
+  assert colls[7]['arrays'] == [('f32', (128, 64)), ('bf16', (64,))]
   summary = fsdp.summarize(colls)
   assert summary['all-gather f8e4m3fn'] == dict(count=1, bytes=8192,
                                                  in_loops=1)
   assert summary['all-reduce f32'] == dict(count=2, bytes=32768 + 260 + 4,
                                            in_loops=1)
+  assert summary['reduce-scatter bf16'] == dict(count=3, bytes=3 * 2048,
+                                                in_loops=1)
   assert list(summary) == sorted(summary)
 
 
