@@ -99,10 +99,15 @@ def _totals(stats):
 
 def class_totals(trace_dir, steps):
   """{op class (`classify`): GPU kernel ms per step, per device}."""
-  by_class = collections.Counter()
-  for name, ms in kernel_totals(trace_dir, steps).items():
-    by_class[classify(name)] += ms
-  return dict(by_class)
+  return by_class(kernel_totals(trace_dir, steps))
+
+
+def by_class(kernels) -> dict:
+  """{kernel name: ms} summed by op class (`classify`)."""
+  totals = collections.Counter()
+  for name, ms in kernels.items():
+    totals[classify(name)] += ms
+  return dict(totals)
 
 
 @functools.lru_cache(maxsize=2)  # a trace is read once for each table
@@ -322,15 +327,11 @@ def main():
   labels = [label for label, _ in CLASSES if label != 'other'] + ['other']
   print('| op class | ' + ' | '.join(results) + ' |')
   print('|---|' + '---|' * len(results))
+  columns = [{**by_class(r['kernels']),
+              'all kernels': sum(r['kernels'].values()),
+              'step (wall)': r['seconds'] * 1e3} for r in results.values()]
   for label in labels + ['all kernels', 'step (wall)']:
-    cells = []
-    for r in results.values():
-      if label == 'step (wall)':
-        ms = r['seconds'] * 1e3
-      else:
-        ms = sum(v for k, v in r['kernels'].items()
-                 if label == 'all kernels' or classify(k) == label)
-      cells.append(f'{ms:.1f}')
+    cells = [f'{column.get(label, 0.0):.1f}' for column in columns]
     print(f'| {label} | ' + ' | '.join(cells) + ' |')
 
 
