@@ -104,19 +104,21 @@ def run_nnx(make_tx, steps, mode, poison_at=None):
   return _pure(model), opt
 
 
-def run_plain(make_tx, steps, poison_at=None):
-  """The same updates with plain optax on a dict of the same params."""
+def run_plain(make_tx, steps, poison_at=None, jit=True):
+  """The same updates with plain optax on a dict of the same params, under
+  jax.jit or (jit=False) op by op."""
   params = _pure(Stacked(nnx.Rngs(0)))
   tx = make_tx()
   state = tx.init(params)
 
-  @jax.jit
   def step(params, state, x, target, poison):
     grads = jax.grad(lambda p: _loss(_forward(p, x), target))(params)
     grads = jax.tree.map(lambda g: jnp.where(poison, g * jnp.nan, g), grads)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
+  if jit:
+    step = jax.jit(step)
   for i in range(steps):
     params, state = step(params, state, *_batch(i), i == poison_at)
   return params, state
@@ -169,8 +171,15 @@ def test_nnx_optimizer_under_nnx_jit_equals_plain_optax(name):
 @pytest.mark.parametrize('mode', ['eager', 'jax.jit'])
 def test_nnx_optimizer_eager_and_split_merge_donated(mode):
   params, _ = run_nnx(TXS['chain(clip)'], 3, mode)
-  ref, _ = run_plain(TXS['chain(clip)'], 3)
-  _assert_close(params, ref)
+  if mode == 'eager':
+    # Op by op both ways: the same bits. (Against the jitted reference an
+    # eager step rounds a few gradients differently and FP8 moment codes
+    # flip: 119 of ~197K params moved by up to 1.3e-4 after 3 steps.)
+    ref, _ = run_plain(TXS['chain(clip)'], 3, jit=False)
+    jax.tree.map(np.testing.assert_array_equal, params, ref)
+  else:
+    ref, _ = run_plain(TXS['chain(clip)'], 3)
+    _assert_close(params, ref)
 
 
 def test_nnx_optimizer_apply_if_finite_skips_a_nan_step():
