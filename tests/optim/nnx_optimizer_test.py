@@ -125,7 +125,7 @@ def run_plain(make_tx, steps, poison_at=None, jit=True):
 
 
 def _assert_close(a, b, frac=1e-4, atol=1e-3):
-  """Equal up to float rounding: nnx and plain optax (or eager and jit)
+  """Equal up to float rounding: nnx and plain optax, each jitted,
   differ in the last bits of a gradient, and where that moves an FP8 moment
   across a rounding boundary its code steps by one and the param moves by
   up to ~lr/8 more: such elements are allowed in `frac`, within `atol`."""
