@@ -100,9 +100,8 @@ def collectives(hlo: str) -> list[dict]:
   loop_computations = _loop_computations(hlo)
   out, computation, entry = [], None, False
   for line in hlo.splitlines():
-    m = _COMPUTATION.match(line)
-    if m and ' = ' not in line:
-      entry, computation = bool(m.group(1)), m.group(2)
+    if header := _computation_header(line):
+      entry, computation = header
       continue
     m = _COLLECTIVE.match(line)
     if not m:
@@ -122,14 +121,21 @@ def collectives(hlo: str) -> list[dict]:
   return out
 
 
+def _computation_header(line: str) -> tuple[bool, str] | None:
+  """(whether it is the entry, its name) if the line opens a computation."""
+  m = _COMPUTATION.match(line)
+  if m and ' = ' not in line:
+    return bool(m.group(1)), m.group(2)
+  return None
+
+
 def _loop_computations(hlo: str) -> set[str]:
   """Names of the computations that run inside a while loop: its bodies and
   conditions, and everything they call."""
   calls, loops, computation = {}, set(), None
   for line in hlo.splitlines():
-    m = _COMPUTATION.match(line)
-    if m and ' = ' not in line:
-      computation = m.group(2)
+    if header := _computation_header(line):
+      computation = header[1]
       calls[computation] = set()
       continue
     if computation is None:
