@@ -26,6 +26,11 @@ total += part * a_s[:, None] * b_s, with
   instead, it cost 6-19% of the kernel's time: RESULTS.md); for 'row' a
   (block_n,) column vector per K block, pipelined by TMA from a
   (K // 128, N) copy (WGMMA column layout).
+With 'block' b scales both are read a step ahead: each step's TMA brings
+the next step's scales, which the step reads into the loop carry beside
+the FP32 sum, so no promotion waits on a scale read from SMEM (the few-tile
+1b wgrads ran 0.83-0.84x the per-tensor kernel without it, ~0.95x with it;
+RESULTS.md "fp8-gemm-block"); a tile's first step's come from GMEM.
 The output is not scaled again: the FP32 sum (plus c, an optional (M, N)
 operand in the output's dtype that each warpgroup copies by TMA through
 its epilogue buffer) is cast and stored.
@@ -110,13 +115,13 @@ def select_config(m: int, n: int, num_ctas: int | None = None, *,
                                   candidates=CANDIDATES[b_granularity])
 
 
-def _load(ref, layout):
-  """plgpu.load of a whole SMEM ref; jax 0.10 wants the index as an
-  argument."""
+def _load(ref, layout, optimized=True):
+  """plgpu.load of a whole ref; jax 0.10 wants the index as an argument.
+  optimized=False for GMEM refs."""
   try:
-    return plgpu.load(ref, layout=layout)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
   except TypeError:  # jax < 0.11: `idx` is positional and required.
-    return plgpu.load(ref, None, layout=layout)
+    return plgpu.load(ref, None, layout=layout, optimized=optimized)
 
 
 def _promote_scaled(total, accs, add_scaled, release=()):
@@ -161,6 +166,12 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
   blocks = cfg.split_k  # 128-K blocks (and wgmma partials) per step
   rows_b = b_granularity == 'row'
   overlap = mosaic_gpu.overlaps_tiles(cfg, k_iters, stages)
+  # With 'block' b scales, step k's TMA brings step k + 1's scales (the
+  # last step's are its own again, unread), which the step reads into the
+  # loop carry for the next; step 0's come from GMEM at the tile start.
+  ahead = not rows_b
+  scale_k = (lambda k: jnp.minimum(k + 1, k_iters - 1)) if ahead else (
+      lambda k: k)
 
   def scale_specs(mi, ni):
     """The scales' BlockSpecs for output tile (mi, ni), over the whole
@@ -168,14 +179,15 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
     in-bounds block, and TMA fills the outside with zeros (a block of a
     sliced ref would be copied whole, past the end)."""
     specs = [plgpu.BlockSpec(
-        (blocks, cfg.compute_wgs, wg_m), lambda k: (k, mi, 0),
+        (blocks, cfg.compute_wgs, wg_m), lambda k: (scale_k(k), mi, 0),
         memory_space=plgpu.SMEM)]
     if rows_b:
       specs.append(plgpu.BlockSpec(
           (blocks, cfg.block_n), lambda k: (k, ni), memory_space=plgpu.SMEM))
     else:
       specs.append(plgpu.BlockSpec(
-          (blocks, _B_TILES_PER_COPY), lambda k: (k, ni // _B_TILES_PER_COPY),
+          (blocks, _B_TILES_PER_COPY),
+          lambda k: (scale_k(k), ni // _B_TILES_PER_COPY),
           memory_space=plgpu.SMEM))
     return specs
   num_inputs = 4  # a, b and their scales
@@ -232,10 +244,18 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
         ab_release, scale_release = release[:2], release[2:]
 
         def step(*accs):
+          if ahead:
+            total_in, a_s, b_s = carry
+          else:
+            total_in = carry
           mosaic_gpu._issue_wgmmas(accs, a_smem, b_smem, wg_sl)  # pylint: disable=protected-access
-          a_s = [_load(as_smem.at[j, wg], rows_layout) for j in range(blocks)]
-          if not rows_b:
-            b_s = [bs_smem[j, ni % _B_TILES_PER_COPY] for j in range(blocks)]
+          a_read = tuple(_load(as_smem.at[j, wg], rows_layout)
+                         for j in range(blocks))
+          if ahead:
+            b_read = tuple(bs_smem[j, ni % _B_TILES_PER_COPY]
+                           for j in range(blocks))
+          else:
+            a_s = a_read
 
           def add_scaled(total, part, j):
             if rows_b:
@@ -247,10 +267,10 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
             s = bcast(a_s[j] * b_s[j], 0)
             return tuple(t + part[:, cs] * s for t, cs in zip(total, chunks))
 
-          total = _promote_scaled(carry, accs, add_scaled, ab_release)
+          total = _promote_scaled(total_in, accs, add_scaled, ab_release)
           for barrier in scale_release:
             plgpu.barrier_arrive(barrier)
-          return total
+          return (total, a_read, b_read) if ahead else total
         return pl.run_scoped(
             step, *[plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] *
             cfg.split_k)
@@ -258,7 +278,14 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
       def context(run_pipeline):
         if overlap:
           mosaic_gpu._line_up(tile_start)  # pylint: disable=protected-access
-        total = run_pipeline(zeros())
+        if ahead:  # step 0's scales; rows past a_s's end read its last row
+          row = jnp.minimum(mi * cfg.compute_wgs + wg, as_gmem.shape[1] - 1)
+          a_0 = tuple(_load(as_gmem.at[j, row], rows_layout, optimized=False)
+                      for j in range(blocks))
+          b_0 = tuple(bs_gmem[j, ni] for j in range(blocks))
+          total = run_pipeline((zeros(), a_0, b_0))[0]
+        else:
+          total = run_pipeline(zeros())
         rows = pl.ds(mi * cfg.block_m + wg * wg_m, wg_m)
         out_tile = out_gmem.at[rows, n_sl]
         for t, cs in zip(total, chunks):
