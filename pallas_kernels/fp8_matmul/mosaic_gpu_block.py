@@ -244,18 +244,15 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
         ab_release, scale_release = release[:2], release[2:]
 
         def step(*accs):
-          if ahead:
-            total_in, a_s, b_s = carry
-          else:
-            total_in = carry
           mosaic_gpu._issue_wgmmas(accs, a_smem, b_smem, wg_sl)  # pylint: disable=protected-access
           a_read = tuple(_load(as_smem.at[j, wg], rows_layout)
                          for j in range(blocks))
-          if ahead:
+          if ahead:  # this step's scales were read by the step before
+            total_in, a_s, b_s = carry
             b_read = tuple(bs_smem[j, ni % _B_TILES_PER_COPY]
                            for j in range(blocks))
           else:
-            a_s = a_read
+            total_in, a_s = carry, a_read
 
           def add_scaled(total, part, j):
             if rows_b:
