@@ -32,15 +32,14 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels import _common
+from pallas_kernels import _mosaic
 from pallas_kernels.quantize_per_group import reference as group_reference
 
 try:  # Mosaic GPU is in jax >= 0.6; keep the module importable without it.
   from jax.experimental import pallas as pl
-  from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   pl = None
-  mgpu = None
   plgpu = None
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -176,20 +175,6 @@ def select_config(m: int, n: int, num_ctas: int | None = None,
   return max(candidates or CANDIDATES, key=score)[0]
 
 
-def _transforms(dtype, minor_elems: int):
-  """(8, swizzle) tiling + swizzle for a tile whose minor dim is given."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = 128
-  while (minor_elems * itemsize) % swizzle:
-    swizzle //= 2
-  if swizzle < 32:
-    raise ValueError(f'tile minor dim {minor_elems} too small to swizzle.')
-  return (
-      plgpu.TilingTransform((8, swizzle // itemsize)),
-      plgpu.SwizzleTransform(swizzle),
-  )
-
-
 def _epilogue_n(cfg: Config, out_itemsize: int, limit: int) -> int:
   """Columns stored per epilogue chunk: the widest divisor of block_n whose
   chunk fits `limit` bytes of SMEM and whose rows span a multiple of 32 B
@@ -240,23 +225,6 @@ def _store_tile(acc, scale_ref, out_tile, out_smem, wg):
 GROUP = 16  # columns per scale of the FP8 grouped output
 
 
-def _div_full(x, y):
-  """x / y as XLA's GPU float32 division computes it (PTX div.full.f32).
-
-  Mosaic's own division is correctly rounded (div.rn), XLA's is not, and the
-  grouped epilogue must round like `quantize_per_group` under XLA.
-  """
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
-      return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype,
-                                         plgpu.Layout.WGMMA))
-  def div(_, x, y):
-    # pylint: disable-next=protected-access
-    return x._pointwise(mgpu.FragmentedArray._lift_fast_instr('div.full.f32'),
-                        y)
-  return div(x, y)
-
-
 def _store_groups(acc, scale_ref, values_tile, scales_tile, values_smem,
                   scales_smem, wg):
   """Writes warpgroup wg's scaled accumulator y (rows, n) as FP8 1x16 groups.
@@ -281,7 +249,7 @@ def _store_groups(acc, scale_ref, values_tile, scales_tile, values_smem,
     scales_smem[wg, :, j] = scale
     den = jnp.where(group == j, lax.broadcast_in_dim(scale, y.shape, (0,)), den)
   # Saturated with selects, which keep NaN (`_common.saturate`'s math).
-  codes = _common.clip(_div_full(y, den), -fmax, fmax)
+  codes = _common.clip(_mosaic.div_full(y, den), -fmax, fmax)
   values_smem[wg] = codes.astype(dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(values_smem.at[wg], values_tile)
@@ -358,11 +326,11 @@ def _pipeline(body, context, *, cfg: Config, grid, a_index, b_index,
       in_specs=[
           plgpu.BlockSpec(
               (cfg.block_m, cfg.block_k), a_index,
-              transforms=_transforms(a_dtype, cfg.block_k),
+              transforms=_mosaic.smem_transforms(a_dtype, cfg.block_k),
               memory_space=plgpu.SMEM, delay_release=delay),
           plgpu.BlockSpec(
               (cfg.block_n, cfg.block_k), b_index,
-              transforms=_transforms(b_dtype, cfg.block_k),
+              transforms=_mosaic.smem_transforms(b_dtype, cfg.block_k),
               memory_space=plgpu.SMEM, delay_release=delay),
           *extra_specs,
       ],
@@ -579,15 +547,16 @@ def _jit_call_kernel(a, b, scale, out_dtype, config, lowering_semantics,
   if grouped:
     stages = _plan_smem(cfg, in_itemsize, 1, out_cols=cfg.block_n,
                         extra_bytes=cfg.block_m * cfg.block_n // GROUP * 4)[0]
-    out_smem = plgpu.SMEM((cfg.compute_wgs, wg_m, cfg.block_n), out_dtype,
-                          transforms=_transforms(out_dtype, cfg.block_n))
+    out_smem = plgpu.SMEM(
+        (cfg.compute_wgs, wg_m, cfg.block_n), out_dtype,
+        transforms=_mosaic.smem_transforms(out_dtype, cfg.block_n))
     scratch = [out_smem, plgpu.SMEM(
         (cfg.compute_wgs, wg_m, cfg.block_n // GROUP), jnp.float32)]
   else:
     stages, epi_n = _plan_smem(cfg, in_itemsize,
                                jnp.dtype(out_dtype).itemsize)
     out_smem = plgpu.SMEM((cfg.compute_wgs, wg_m, epi_n), out_dtype,
-                          transforms=_transforms(out_dtype, epi_n))
+                          transforms=_mosaic.smem_transforms(out_dtype, epi_n))
     scratch = [out_smem]
   if cfg.pad_mn or grouped:
     mp = _round_up(m, cfg.block_m)

@@ -54,6 +54,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels import _mosaic
 from pallas_kernels.fp8_matmul import mosaic_gpu
 from pallas_kernels.fp8_matmul.mosaic_gpu import Config
 from pallas_kernels.fp8_matmul.mosaic_gpu import pl
@@ -115,15 +116,6 @@ def select_config(m: int, n: int, num_ctas: int | None = None, *,
                                   candidates=CANDIDATES[b_granularity])
 
 
-def _load(ref, layout, optimized=True):
-  """plgpu.load of a whole ref; jax 0.10 wants the index as an argument.
-  optimized=False for GMEM refs."""
-  try:
-    return plgpu.load(ref, layout=layout, optimized=optimized)
-  except TypeError:  # jax < 0.11: `idx` is positional and required.
-    return plgpu.load(ref, None, layout=layout, optimized=optimized)
-
-
 def _promote_scaled(total, accs, add_scaled, release=()):
   """add_scaled(total, j-th wgmma result, j) for each wgmma, waiting for one
   at a time; arrives on the `release` barriers once all wgmmas are done,
@@ -144,7 +136,7 @@ def _load_c(c_chunk, out_smem, wg, barrier):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   plgpu.copy_gmem_to_smem(c_chunk, out_smem.at[wg], barrier)
   plgpu.barrier_wait(barrier)
-  return _load(out_smem.at[wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+  return _mosaic.load(out_smem.at[wg], plgpu.Layout.WGMMA).astype(jnp.float32)
 
 
 def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
@@ -245,7 +237,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
 
         def step(*accs):
           mosaic_gpu._issue_wgmmas(accs, a_smem, b_smem, wg_sl)  # pylint: disable=protected-access
-          a_read = tuple(_load(as_smem.at[j, wg], rows_layout)
+          a_read = tuple(_mosaic.load(as_smem.at[j, wg], rows_layout)
                          for j in range(blocks))
           if ahead:  # this step's scales were read by the step before
             total_in, a_s, b_s = carry
@@ -258,7 +250,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
             if rows_b:
               a_j = bcast(a_s[j], 0)
               return tuple(
-                  t + part[:, cs] * bcast(_load(bs_smem.at[j, cs],
+                  t + part[:, cs] * bcast(_mosaic.load(bs_smem.at[j, cs],
                                                 cols_layout), 1) * a_j
                   for t, cs in zip(total, chunks))
             s = bcast(a_s[j] * b_s[j], 0)
@@ -277,7 +269,8 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
           mosaic_gpu._line_up(tile_start)  # pylint: disable=protected-access
         if ahead:  # step 0's scales; rows past a_s's end read its last row
           row = jnp.minimum(mi * cfg.compute_wgs + wg, as_gmem.shape[1] - 1)
-          a_0 = tuple(_load(as_gmem.at[j, row], rows_layout, optimized=False)
+          a_0 = tuple(_mosaic.load(as_gmem.at[j, row], rows_layout,
+                                   optimized=False)
                       for j in range(blocks))
           b_0 = tuple(bs_gmem[j, ni] for j in range(blocks))
           total = run_pipeline((zeros(), a_0, b_0))[0]
@@ -518,7 +511,7 @@ def _call_kernel(a, b, a_scale, b_scale, c, b_granularity, out_dtype, cfg,
   stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
       cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes)
   out_smem = plgpu.SMEM((cfg.compute_wgs, cfg.wg_m, epi_n), out_dtype,
-                        transforms=mosaic_gpu._transforms(out_dtype, epi_n))  # pylint: disable=protected-access
+                        transforms=_mosaic.smem_transforms(out_dtype, epi_n))
   if cfg.pad_mn:
     mp = mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access
     np_ = mosaic_gpu._round_up(n, cfg.block_n)  # pylint: disable=protected-access
