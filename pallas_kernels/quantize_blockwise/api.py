@@ -18,6 +18,20 @@ BLOCKS = reference.BLOCKS
 PALLAS_IS_DEFAULT = True
 
 
+def _mosaic():
+  from pallas_kernels.quantize_blockwise import mosaic_gpu  # pylint: disable=import-outside-toplevel
+  return mosaic_gpu
+
+
+def _runs_mosaic(widths, rows, dtype, transpose, interpret) -> bool:
+  """Whether the Pallas path takes the Mosaic GPU kernel: compiled (not
+  interpreted) x and x^T of a 16-bit input whose rows and widths are
+  multiples of 128 (98% of a copy's speed at 16384 x 2048 on an H200,
+  the Triton kernel 66%: RESULTS.md "quantize-blockwise"). Otherwise the
+  Triton kernel."""
+  return not interpret and _mosaic().supports(widths, rows, dtype, transpose)
+
+
 def check_block(block: Any) -> tuple[int, int]:
   """`block` as a tuple, or ValueError naming the allowed values."""
   try:
@@ -78,6 +92,14 @@ def quantize_blockwise(
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   if impl == 'pallas' and x.size:
+    rows, cols = _common.as_2d(x.shape)
+    if _runs_mosaic((cols,), rows, x.dtype, transpose, interpret):
+      values, scales, values_t, scales_t = _mosaic().quantize_blockwise(
+          x.reshape(rows, cols), dt, pow2=bool(pow2_scales),
+          transpose_block=transpose_block)
+      return (values.reshape(x.shape),
+              scales.reshape(x.shape[:-1] + scales.shape[-1:]), values_t,
+              scales_t)
     from pallas_kernels.quantize_blockwise import pallas_triton
     return pallas_triton.quantize_blockwise(
         x, block, dt, transpose=transpose, pow2=bool(pow2_scales),
@@ -112,6 +134,12 @@ def quantize_blockwise_parts(
   impl, interpret = _common.resolve_implementation(
       implementation, PALLAS_IS_DEFAULT)
   if impl == 'pallas' and all(x.size for x in parts):
+    widths = tuple(x.shape[1] for x in parts)
+    if _runs_mosaic(widths, parts[0].shape[0], parts[0].dtype, transpose,
+                    interpret):
+      return _mosaic().quantize_blockwise_parts(
+          tuple(parts), dt, pow2=bool(pow2_scales),
+          transpose_block=transpose_block)
     from pallas_kernels.quantize_blockwise import pallas_triton
     if pallas_triton.parts_tile_cols(tuple(x.shape[1] for x in parts)):
       return pallas_triton.quantize_blockwise_parts(

@@ -1,9 +1,10 @@
 """Tests of pallas_kernels.quantize_blockwise (1x128 tiles, 128x128 blocks).
 
 CPU: the reference against quantize_per_group and hand rules (padding, zero
-tiles, NaN/Inf confinement, power-of-two scales), the interpreted Pallas
-kernel against the reference bit for bit. GPU (marked `gpu`): the compiled
-kernel against the reference.
+tiles, NaN/Inf confinement, power-of-two scales), the interpreted Triton
+kernel against the reference bit for bit, and the Mosaic GPU x, x^T kernel's
+cases, errors and lowering for CUDA. GPU (marked `gpu`): both compiled
+kernels against the reference bit for bit, and which one the API runs.
 """
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.quantize_blockwise import api
+from pallas_kernels.quantize_blockwise import mosaic_gpu
 from pallas_kernels.quantize_blockwise import pallas_triton
 from pallas_kernels.quantize_blockwise import reference
 from pallas_kernels.quantize_per_group import reference as group_reference
@@ -377,6 +379,55 @@ def test_api_dispatch_and_errors():
     pallas_triton.BlockSizes(64, 128)
 
 
+# ------------------------------------ the Mosaic GPU kernel (CPU: lowering)
+
+# (parts' widths, rows, input dtype, format, pow2, transpose_block)
+MOSAIC_CASES = [
+    ((128,), 128, jnp.bfloat16, 'e4m3', False, (1, 128)),
+    ((384,), 256, jnp.float16, 'e5m2', True, (1, 128)),
+    ((256,), 384, jnp.bfloat16, 'e5m2', False, (128, 128)),
+    ((2048, 256, 256), 256, jnp.bfloat16, 'e5m2', False, (128, 128)),
+    ((256, 128), 128, jnp.bfloat16, 'e4m3', True, (1, 128)),
+]
+MOSAIC_IDS = ['one_tile', 'f16_e5m2_pow2', 'blocks', 'qkv_parts_blocks',
+              'parts_pow2']
+
+
+def test_mosaic_kernel_cases():
+  """Rows and widths in whole tiles, a 16-bit input, x^T asked for: the
+  rest is the Triton kernel's (the API never hands the Mosaic kernel a case
+  it does not run)."""
+  assert mosaic_gpu.supports((2048, 256, 256), 16384, jnp.bfloat16, True)
+  assert mosaic_gpu.supports((5632,), 128, jnp.float16, True)
+  assert not mosaic_gpu.supports((2048,), 16384, jnp.bfloat16, False)
+  assert not mosaic_gpu.supports((2048,), 16384, jnp.float32, True)
+  assert not mosaic_gpu.supports((2048,), 200, jnp.bfloat16, True)
+  assert not mosaic_gpu.supports((200, 128), 256, jnp.bfloat16, True)
+  assert not mosaic_gpu.supports((2048,), 0, jnp.bfloat16, True)
+  assert not api._runs_mosaic((256,), 256, jnp.bfloat16, True, True)
+  with pytest.raises(ValueError, match='multiples of 128'):
+    mosaic_gpu.quantize_blockwise(jnp.zeros((200, 256), jnp.bfloat16))
+  with pytest.raises(ValueError, match='16-bit'):
+    mosaic_gpu.quantize_blockwise(jnp.zeros((256, 256), jnp.float32))
+
+
+@pytest.mark.parametrize('widths,rows,in_dtype,fmt,pow2,tb', MOSAIC_CASES,
+                         ids=MOSAIC_IDS)
+def test_mosaic_kernel_lowers_for_cuda(widths, rows, in_dtype, fmt, pow2,
+                                       tb):
+  """Each case lowers to one Mosaic GPU kernel here, without a GPU, with
+  the reference's output shapes and dtypes."""
+  parts = [jax.ShapeDtypeStruct((rows, w), in_dtype) for w in widths]
+  fn = lambda *p: mosaic_gpu.quantize_blockwise_parts(
+      p, fmt, pow2=pow2, transpose_block=tb)
+  lowered = jax.jit(fn).trace(*parts).lower(lowering_platforms=('cuda',))
+  assert lowered.as_text().count('mosaic_gpu') >= 1
+  want = jax.eval_shape(lambda *p: reference.quantize_blockwise_parts(
+      p, fmt, transpose=True, pow2=pow2, transpose_block=tb), *parts)
+  got = [(o.shape, o.dtype) for o in lowered.out_info]
+  assert got == [(o.shape, o.dtype) for o in want]
+
+
 # ---------------------------------------------------------------- GPU
 
 
@@ -414,3 +465,68 @@ def test_gpu_parts_match_the_concatenation(widths):
     want = jax.jit(lambda v, f=fmt: reference.quantize_blockwise(
         v, (1, 128), f, **kw))(x)
     assert_same(got, want)
+
+
+def _edge_input(shape, in_dtype=jnp.bfloat16):
+  """Normal values with a zero tile, NaN and Inf in their own tiles,
+  values near the input format's max, subnormals and a constant tile."""
+  x = np.array(normal(16, shape, 3.0))
+  big = float(jnp.finfo(in_dtype).max)
+  tiny = float(jnp.finfo(in_dtype).smallest_subnormal)
+  x[:128, :128] = 0.0
+  x[5, 300] = np.nan
+  x[200, 7] = np.inf
+  x[300:310, 130:140] = big
+  x[130, 140:] = -big / 2
+  x[400:420, 400:500] = 3 * tiny
+  x[256:384, 384:512] = 7.0
+  return jnp.asarray(x).astype(in_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('widths,rows,in_dtype,fmt,pow2,tb', MOSAIC_CASES
+                         + [((2048,), 4096, jnp.bfloat16, 'e4m3', False,
+                             (1, 128)),
+                            ((5632,), 512, jnp.bfloat16, 'e4m3', True,
+                             (1, 128)),
+                            ((512,), 512, jnp.bfloat16, 'e5m2', False,
+                             (128, 128))],
+                         ids=MOSAIC_IDS + ['1b_x', '1b_down_pow2', 'edges'])
+def test_gpu_mosaic_kernel_matches_reference(widths, rows, in_dtype, fmt,
+                                             pow2, tb):
+  if sum(widths) >= 512 and rows >= 512:
+    x = _edge_input((rows, sum(widths)), in_dtype)
+  else:
+    x = normal(17, (rows, sum(widths)), 3.0).astype(in_dtype)
+  parts = tuple(jnp.split(x, np.cumsum(widths)[:-1], axis=1))
+  kw = dict(pow2=pow2, transpose_block=tb)
+  got = mosaic_gpu.quantize_blockwise_parts(parts, fmt, **kw)
+  want = jax.jit(lambda v: reference.quantize_blockwise(
+      v, (1, 128), fmt, transpose=True, **kw))(x)
+  assert_same(got, want)
+  if len(parts) == 1:
+    assert_same(mosaic_gpu.quantize_blockwise(x, fmt, **kw), want)
+
+
+@pytest.mark.gpu
+def test_gpu_api_runs_mosaic_where_it_can():
+  """The default path takes the Mosaic kernel for whole tiles of a 16-bit
+  x with x^T, the Triton kernel otherwise; both give the reference's bits."""
+  def kernels(fn, x):
+    hlo = jax.jit(fn).lower(x).as_text()
+    return 'mosaic_gpu' in hlo, 'triton' in hlo
+  x = normal(18, (2, 256, 384), 2.0).astype(jnp.bfloat16)
+  fn = lambda v: api.quantize_blockwise(v, (1, 128), transpose=True)
+  assert kernels(fn, x) == (True, False)
+  assert_same(fn(x), reference.quantize_blockwise(x, (1, 128),
+                                                  transpose=True))
+  for y in (x[:, :100], x.astype(jnp.float32)):
+    assert kernels(fn, y) == (False, True)
+    assert_same(fn(y), reference.quantize_blockwise(y, (1, 128),
+                                                    transpose=True))
+  parts = (x[0, :, :256], x[0, :, 256:])
+  fn = lambda p: api.quantize_blockwise_parts(
+      p, 'e5m2', transpose=True, transpose_block=(128, 128))
+  assert kernels(fn, parts) == (True, False)
+  assert_same(fn(parts), reference.quantize_blockwise(
+      x[0], (1, 128), 'e5m2', transpose=True, transpose_block=(128, 128)))
