@@ -329,7 +329,7 @@ def bench_blockwise(results, quick):
   # kernels 80.6 us against 43.5 of kernel time, H200).
   stacked = jax.random.normal(
       jax.random.key(6), (4,) + BLOCKWISE_SHAPES[0][1:]
-      + BLOCKWISE_SHAPES[1][1:], jnp.float32) * 0.02
+      + BLOCKWISE_SHAPES[-1][1:], jnp.float32) * 0.02
   label = f'blocks 128x128 f32->e4m3 {stacked.shape[1:]}, W and W^T'
   nbytes = stacked[0].size * (4 + 2)
   pallas_blocks = functools.partial(blockwise_pallas.quantize_blockwise,
