@@ -4,8 +4,9 @@
 The numerics are the pure-jnp references in `pallas_kernels` (they are the
 oracles of the Pallas kernels too, so there is one copy of the math); this
 module returns them as `QuantizedArray`s. `implementation='xla'` (the
-default) runs the references; 'pallas' the Triton-lowered kernels
-(interpreted off GPU); None the fastest measured on this platform.
+default) runs the references; 'pallas' the Pallas kernels (Triton-lowered,
+interpreted off GPU; the one-pass block quantizer runs as Mosaic GPU on a
+GPU where it can); None the fastest measured on this platform.
 """
 
 from typing import Any
