@@ -25,9 +25,9 @@ def _mosaic():
 
 def _runs_mosaic(widths, rows, dtype, transpose, interpret) -> bool:
   """Whether the Pallas path takes the Mosaic GPU kernel: compiled (not
-  interpreted) x and x^T of a 16-bit input whose rows and widths are
-  multiples of 128 (98% of a copy's speed at 16384 x 2048 on an H200,
-  the Triton kernel 66%: RESULTS.md "quantize-blockwise"). Otherwise the
+  interpreted) 1x128 tiles of x with x^T, x 16-bit with rows and widths in
+  multiples of 128 (90% of a copy's speed at 16384 x 2048 on an H200, the
+  Triton kernel 66%: RESULTS.md "quantize-blockwise"). Otherwise the
   Triton kernel."""
   return not interpret and _mosaic().supports(widths, rows, dtype, transpose)
 
@@ -93,7 +93,8 @@ def quantize_blockwise(
       implementation, PALLAS_IS_DEFAULT)
   if impl == 'pallas' and x.size:
     rows, cols = _common.as_2d(x.shape)
-    if _runs_mosaic((cols,), rows, x.dtype, transpose, interpret):
+    if block == (1, TILE) and _runs_mosaic((cols,), rows, x.dtype, transpose,
+                                           interpret):
       values, scales, values_t, scales_t = _mosaic().quantize_blockwise(
           x.reshape(rows, cols), dt, pow2=bool(pow2_scales),
           transpose_block=transpose_block)
@@ -141,7 +142,7 @@ def quantize_blockwise_parts(
           tuple(parts), dt, pow2=bool(pow2_scales),
           transpose_block=transpose_block)
     from pallas_kernels.quantize_blockwise import pallas_triton
-    if pallas_triton.parts_tile_cols(tuple(x.shape[1] for x in parts)):
+    if pallas_triton.parts_tile_cols(widths):
       return pallas_triton.quantize_blockwise_parts(
           parts, dt, transpose=transpose, pow2=bool(pow2_scales),
           transpose_block=transpose_block, interpret=interpret)
