@@ -38,7 +38,8 @@ CLASSES = (
     (NCCL := 'collectives (nccl)', r'nccl'),
     # The Pallas SwiGLU and RMSNorm kernels are named *_fp8_*: not GEMMs.
     ('other', r'^(swiglu|rms_norm)_fp8'),
-    # cuBLASLt's nvjet kernels spell FP8 operands q (E4M3) and r (E5M2).
+    # cuBLASLt's nvjet kernels spell FP8 operands q (E4M3) and r (E5M2);
+    # the Pallas Mosaic GEMMs are fp8_matmul*_mosaic_gpu_kernel.
     ('fp8 gemm', r'f8|fp8|e4m3|e5m2|nvjet_sm90_[qr][qr]'),
     ('gemm', r'gemm|cublas|cutlass|sm90_xmma|nvjet|matmul|dot'),
     ('attention', r'cudnn|flash|fmha|attention|sdpa'),

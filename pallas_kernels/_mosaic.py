@@ -1,5 +1,7 @@
 """Helpers shared by the Pallas Mosaic GPU kernels (Hopper)."""
 
+import functools
+
 import jax.numpy as jnp
 
 try:  # Mosaic GPU is in jax >= 0.6; keep the module importable without it.
@@ -48,3 +50,14 @@ def load(ref, layout, optimized=True):
     return plgpu.load(ref, layout=layout, optimized=optimized)
   except TypeError:  # jax < 0.11: `idx` is positional and required.
     return plgpu.load(ref, None, layout=layout, optimized=optimized)
+
+
+def named(name: str, body, **kwargs):
+  """functools.partial(body, **kwargs) named `name` for plgpu.kernel, which
+  names the kernel after its body (a bare partial is "anonymous"): profiles
+  then show `<name>_mosaic_gpu_kernel`."""
+  kernel_body = functools.partial(body, **kwargs)
+  def run(*refs):
+    return kernel_body(*refs)
+  run.__name__ = run.__qualname__ = name
+  return run

@@ -575,8 +575,9 @@ def _jit_call_kernel(a, b, scale, out_dtype, config, lowering_semantics,
   if grouped:
     out_types += (jax.ShapeDtypeStruct((mp, np_ // GROUP), jnp.float32),)
   f = plgpu.kernel(
-      functools.partial(_kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
-                        k_iters=k_iters, stages=stages),
+      _mosaic.named('fp8_matmul_groups' if grouped else 'fp8_matmul',
+                    _kernel, cfg=cfg, m_iters=m_iters, n_iters=n_iters,
+                    k_iters=k_iters, stages=stages),
       out_type=out_types,
       scratch_types=scratch,
       grid=(num_sms,),

@@ -532,10 +532,10 @@ def _call_kernel(a, b, a_scale, b_scale, c, b_granularity, out_dtype, cfg,
                           a_scale_transposed=a_scale_transposed,
                           b_scale_transposed=b_scale_transposed)
   f = plgpu.kernel(
-      functools.partial(_kernel, cfg=cfg, b_granularity=b_granularity,
-                        has_c=c is not None,
-                        m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
-                        stages=stages),
+      _mosaic.named('fp8_matmul_block', _kernel, cfg=cfg,
+                    b_granularity=b_granularity, has_c=c is not None,
+                    m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
+                    stages=stages),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
       scratch_types=[out_smem] + ([] if c is None else [
           plgpu.Barrier(num_arrivals=1, num_barriers=cfg.compute_wgs)]),

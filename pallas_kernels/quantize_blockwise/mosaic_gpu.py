@@ -169,10 +169,10 @@ def quantize_blockwise_parts(
   st_shape = (kb, mb) if t_blocks else (mb, k)
   tile = lambda d: plgpu.SMEM((TILE, TILE), d,
                               transforms=_mosaic.smem_transforms(d, TILE))
+  parts_tiles = tuple((f, w // TILE) for f, w in zip(firsts, widths))
   kernel = plgpu.kernel(
-      functools.partial(
-          _kernel, parts=tuple((f, w // TILE) for f, w in zip(firsts, widths)),
-          ncb=kb, dtype=dt, pow2=pow2, t_blocks=t_blocks),
+      _mosaic.named('quantize_tiles_t', _kernel, parts=parts_tiles, ncb=kb,
+                    dtype=dt, pow2=pow2, t_blocks=t_blocks),
       out_type=(jax.ShapeDtypeStruct((m, k), dt),
                 jax.ShapeDtypeStruct((kb, m), jnp.float32),
                 jax.ShapeDtypeStruct((k, m), dt),

@@ -11,6 +11,17 @@ def test_nccl_kernels_are_collectives_not_reductions():
   assert step_profile.classify('input_reduce_fusion_3') == 'reduce'
 
 
+def test_mosaic_kernels_are_classed_by_their_names():
+  """The Mosaic GPU kernels carry their op's name (`_mosaic.named`): the
+  GEMMs count as FP8 GEMMs, the block quantizer as a Pallas kernel."""
+  for name in ('fp8_matmul_mosaic_gpu_kernel',
+               'fp8_matmul_block_mosaic_gpu_kernel',
+               'fp8_matmul_groups_mosaic_gpu_kernel'):
+    assert step_profile.classify(name) == 'fp8 gemm'
+  assert step_profile.classify('quantize_tiles_t_mosaic_gpu_kernel') == (
+      'other')
+
+
 def test_uncovered_counts_collective_time_that_no_kernel_hides():
   compute = [(0, 10), (5, 20), (30, 40)]  # busy 0-20 and 30-40
   assert step_profile.uncovered([(15, 35)], compute) == 10  # 20-30
