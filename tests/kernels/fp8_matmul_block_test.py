@@ -411,6 +411,7 @@ def test_lowers_for_cuda(config, granularity, mnk, out_dtype):
       a, b, sa, sb, granularity, config, out_dtype),
                            *abstract_operands(m, n, k, granularity))
   assert 'mosaic_gpu' in lowered.as_text()
+  assert 'fp8_matmul_block' in lowered.as_text()  # named for profiles
   assert lowered.out_info.shape == (m, n)
   assert lowered.out_info.dtype == out_dtype
 
