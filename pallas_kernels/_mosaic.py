@@ -4,6 +4,8 @@ import functools
 
 import jax.numpy as jnp
 
+from pallas_kernels import _common
+
 try:  # Mosaic GPU is in jax >= 0.6; keep the module importable without it.
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -43,6 +45,14 @@ def div_full(x, y):
   return div(x, y)
 
 
+def saturated_codes(x, den, dtype):
+  """saturate(x / den) as FP8 `dtype`, for float32 WGMMA-layout arrays: the
+  references' division (`div_full`) and `_common.saturate`'s math, clipped
+  with selects, which keep NaN."""
+  fmax = _common.fp8_max(dtype)
+  return _common.clip(div_full(x, den), -fmax, fmax).astype(dtype)
+
+
 def load(ref, layout, optimized=True):
   """plgpu.load of a whole ref; jax 0.10 wants the index as an argument.
   optimized=False for GMEM refs."""
@@ -57,7 +67,5 @@ def named(name: str, body, **kwargs):
   names the kernel after its body (a bare partial is "anonymous"): profiles
   then show `<name>_mosaic_gpu_kernel`."""
   kernel_body = functools.partial(body, **kwargs)
-  def run(*refs):
-    return kernel_body(*refs)
-  run.__name__ = run.__qualname__ = name
-  return run
+  kernel_body.__name__ = name
+  return kernel_body

@@ -248,9 +248,7 @@ def _store_groups(acc, scale_ref, values_tile, scales_tile, values_smem,
         amax * group_reference.reciprocal(fmax), amax, jnp.float32)
     scales_smem[wg, :, j] = scale
     den = jnp.where(group == j, lax.broadcast_in_dim(scale, y.shape, (0,)), den)
-  # Saturated with selects, which keep NaN (`_common.saturate`'s math).
-  codes = _common.clip(_mosaic.div_full(y, den), -fmax, fmax)
-  values_smem[wg] = codes.astype(dtype)
+  values_smem[wg] = _mosaic.saturated_codes(y, den, dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(values_smem.at[wg], values_tile)
   plgpu.copy_smem_to_gmem(scales_smem.at[wg], scales_tile)

@@ -251,7 +251,7 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
               a_j = bcast(a_s[j], 0)
               return tuple(
                   t + part[:, cs] * bcast(_mosaic.load(bs_smem.at[j, cs],
-                                                cols_layout), 1) * a_j
+                                                       cols_layout), 1) * a_j
                   for t, cs in zip(total, chunks))
             s = bcast(a_s[j] * b_s[j], 0)
             return tuple(t + part[:, cs] * s for t, cs in zip(total, chunks))

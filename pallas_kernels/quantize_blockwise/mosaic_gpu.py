@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from pallas_kernels import _common
 from pallas_kernels import _mosaic
 from pallas_kernels.quantize_blockwise import reference
-from pallas_kernels.quantize_per_group import reference as group_reference
 
 TILE = reference.TILE
 HALF = 64  # rows of a WGMMA-layout array (one warpgroup's m64)
@@ -49,21 +48,6 @@ def supports(widths: tuple[int, ...], rows: int, dtype: Any,
   return (transpose and jnp.dtype(dtype) in INPUT_DTYPES
           and rows % TILE == 0 and rows > 0
           and all(w % TILE == 0 and w > 0 for w in widths))
-
-
-def _tile_scales(amax, dtype, pow2):
-  """Scales of 1x128 tiles from their float32 maxima: `encode_tiles`."""
-  if pow2:
-    return reference.pow2_scale(amax, dtype)
-  return group_reference.store_scale(
-      amax * group_reference.reciprocal(_common.fp8_max(dtype)), amax,
-      jnp.float32)
-
-
-def _codes(x, den, dtype):
-  """saturate(x / den) as FP8: `_common.saturate`'s math (NaN kept)."""
-  fmax = _common.fp8_max(dtype)
-  return _common.clip(_mosaic.div_full(x, den), -fmax, fmax).astype(dtype)
 
 
 def _halves(ref, transposed):
@@ -87,9 +71,9 @@ def _encode_tiles(x_ref, v_ref, s_ref, transposed, dtype, pow2):
   (128, 128) and the rows' scales into s_ref (1, 128)."""
   for half, x in _halves(x_ref, transposed):
     amax = jnp.max(jnp.abs(x), axis=1)
-    scale = _tile_scales(amax, dtype, pow2)
-    v_ref[half] = _codes(x, lax.broadcast_in_dim(scale, x.shape, (0,)),
-                         dtype)
+    scale = reference.scale_from_amax(amax, dtype, pow2)
+    den = lax.broadcast_in_dim(scale, x.shape, (0,))
+    v_ref[half] = _mosaic.saturated_codes(x, den, dtype)
     s_ref[0, half] = scale
 
 
@@ -102,7 +86,7 @@ def _encode_block(x_ref, v_ref, dtype, pow2):
   for half, x in halves:
     den = plgpu.layout_cast(lax.broadcast_in_dim(scale, x.shape, ()),
                             plgpu.Layout.WGMMA)
-    v_ref[half] = _codes(x, den, dtype)
+    v_ref[half] = _mosaic.saturated_codes(x, den, dtype)
   return scale
 
 
