@@ -7,6 +7,12 @@ modes can be compared op class by op class.
 
   PYTHONPATH=. python benchmarks/step_profile.py --modes bf16,coat
 
+With --gemms it also lists each GEMM kernel's time per shape (M x N x K and
+operand dtypes from the compiled HLO), to set beside `matmul.py`'s timings
+of the same GEMMs alone; the step is then compiled without CUDA graphs
+(their kernels carry the graph's name, not their HLO instruction's), and
+the times it prints are that step's.
+
 On several GPUs (a mesh from --set, e.g. `--config configs/llama2_7b.py
 --set mesh.data=1 mesh.fsdp=2 train.batch_size=4`) the kernel times are
 per GPU, and it prints how much of the first GPU's NCCL kernel time runs
@@ -18,6 +24,7 @@ import collections
 import functools
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -147,6 +154,98 @@ def kernel_stats(trace_dir, steps):
   return {name: (ms, launches[name]) for name, ms in totals.items()}
 
 
+def op_stats(trace_dir, steps):
+  """{(kernel name, HLO op): (ms per step, launches per step)} over the GPU
+  streams of a trace, per device: `kernel_stats` split by the HLO
+  instruction that launched each kernel (its 'hlo_op' stat; '' without)."""
+  devices = _gpu_streams(trace_dir)
+  n = max(1, len(devices))
+  totals, launches = collections.Counter(), collections.Counter()
+  for line in _stream_lines(trace_dir):
+    for event in line.events:
+      key = (event.name, dict(event.stats).get('hlo_op', ''))
+      totals[key] += event.duration_ns / 1e6 / steps / n
+      launches[key] += 1 / steps / n
+  return {key: (ms, launches[key]) for key, ms in totals.items()}
+
+
+# An instruction of optimized HLO text: name, result shape(s), opcode and
+# the text after its opening parenthesis (operands, then attributes).
+_HLO_INSTRUCTION = re.compile(
+    r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$')
+_HLO_ARRAY = re.compile(r'\b([a-z]+[a-z0-9]*)\[([\d,]*)\]')
+_HLO_OPERAND = re.compile(r'%([\w.\-]+)')
+
+
+def _first_array(text):
+  """(dtype, dims) of the first array shape spelled in `text`, or None."""
+  match = _HLO_ARRAY.search(text)
+  if not match:
+    return None
+  dtype, dims = match.groups()
+  return dtype, tuple(int(d) for d in dims.split(',') if d)
+
+
+def _operand_list(text):
+  """The operand list at the start of `text` (what follows an opcode's
+  opening parenthesis), up to its closing one."""
+  depth = 0
+  for i, ch in enumerate(text):
+    depth += {'(': 1, ')': -1}.get(ch, 0)
+    if depth < 0:
+      return text[:i]
+  return text
+
+
+def gemm_shapes(hlo_text: str) -> dict:
+  """{instruction name: (M, N, K, 'a_dtype x b_dtype')} for each
+  instruction of `hlo_text` whose result (its first array) is 2-D and
+  whose first two 2-D operands hold M * K and N * K elements: a GEMM's
+  (cuBLAS(Lt) custom calls, Mosaic GPU kernels, dots, GEMM fusions).
+  Layout-blind: K = sqrt(|a| |b| / |out|)."""
+  results, instructions = {}, []
+  for line in hlo_text.splitlines():
+    match = _HLO_INSTRUCTION.match(line)
+    if match:
+      name, result, _, rest = match.groups()
+      results[name] = _first_array(result)
+      instructions.append((name, _HLO_OPERAND.findall(_operand_list(rest))))
+  shapes = {}
+  for name, operands in instructions:
+    out = results[name]
+    ins = [results.get(x) for x in operands]
+    ins = [x for x in ins if x and len(x[1]) == 2]
+    if not out or len(out[1]) != 2 or len(ins) < 2:
+      continue
+    (m, n), a, b = out[1], math.prod(ins[0][1]), math.prod(ins[1][1])
+    k = round((a * b / (m * n)) ** 0.5) if m * n else 0
+    if k and a == m * k and b == n * k:
+      shapes[name] = (m, n, k, f'{ins[0][0]} x {ins[1][0]}')
+  return shapes
+
+
+def gemm_table(ops: dict, hlo_text: str) -> list:
+  """[(op class, kernel name, M, N, K, dtypes, launches, ms, TFLOP/s)] per
+  step, one row per GEMM kernel and shape, slowest first: `op_stats`'s
+  GEMM kernels (classes 'fp8 gemm' and 'gemm') matched to their
+  instructions' shapes in `hlo_text` (the compiled step's); kernels whose
+  instruction is not a plain GEMM come as M = N = K = 0."""
+  shapes = gemm_shapes(hlo_text)
+  rows = collections.defaultdict(lambda: [0.0, 0.0])
+  for (kernel, op), (ms, launches) in ops.items():
+    label = classify(kernel)
+    if label not in ('fp8 gemm', 'gemm'):
+      continue
+    m, n, k, dtypes = shapes.get(op, (0, 0, 0, ''))
+    row = rows[(label, kernel, m, n, k, dtypes)]
+    row[0] += launches
+    row[1] += ms
+  table = [(*key, launches, ms,
+            2 * key[2] * key[3] * key[4] * launches / (ms * 1e9) if ms else 0.)
+           for key, (launches, ms) in rows.items()]
+  return sorted(table, key=lambda row: -row[7])
+
+
 def _union(intervals):
   """Sorted disjoint [start, end] intervals covering `intervals`."""
   out = []
@@ -249,7 +348,11 @@ def kernel_gaps(trace_dir, steps, top=8):
   return sum(by_next.values()), by_next.most_common(top)
 
 
-def profile(config, steps):
+def profile(config, steps, gemms=False):
+  """Compiles, times and traces train.py's step for `config`. With
+  `gemms` the step is compiled without CUDA graphs (XLA's command buffers,
+  whose kernels all carry the graph's name), so that each kernel in the
+  trace names its HLO instruction: what `gemm_table` needs."""
   setup = training.build(config)
   t = config.train
   tokens = np.random.default_rng(0).integers(
@@ -261,7 +364,9 @@ def profile(config, steps):
   with jax.set_mesh(setup.mesh):
     t0 = time.perf_counter()
     state = setup.init_state()
-    compiled = setup.train_step.lower(state, *batch).compile()
+    options = {'xla_gpu_enable_command_buffer': ''} if gemms else None
+    compiled = setup.train_step.lower(state, *batch).compile(
+        compiler_options=options)
     compile_s = time.perf_counter() - t0
     seconds, _, state = step_times(compiled, state, batch, steps)
     trace_dir = tempfile.mkdtemp(prefix='step_profile_')
@@ -274,6 +379,7 @@ def profile(config, steps):
   stats = kernel_stats(trace_dir, 3)
   return dict(seconds=seconds, compile_s=compile_s, temp=temp,
               gaps=kernel_gaps(trace_dir, 3), kernels=_totals(stats),
+              ops=op_stats(trace_dir, 3), trace_dir=trace_dir,
               collectives=exposed_collectives(trace_dir, 3), stats=stats,
               hlo=compiled.as_text())
 
@@ -285,6 +391,10 @@ def main():
   parser.add_argument('--steps', type=int, default=10)
   parser.add_argument('--top', type=int, default=12)
   parser.add_argument('--set', nargs='*', default=[])
+  parser.add_argument('--gemms', action='store_true',
+                      help='each GEMM kernel\'s time per shape (M x N x K'
+                      ' from the compiled HLO); the step then runs without'
+                      ' CUDA graphs')
   parser.add_argument('--dump', default=None,
                       help='folder for each mode\'s optimized HLO and its'
                       ' kernel times (JSON), to look up what a kernel runs')
@@ -294,7 +404,7 @@ def main():
   for mode in args.modes.split(','):
     config = training.apply_overrides(
         base, [*MODES[mode], 'train.checkpoint_every=0', *args.set])
-    results[mode] = r = profile(config, args.steps)
+    results[mode] = r = profile(config, args.steps, args.gemms)
     if args.dump:
       os.makedirs(args.dump, exist_ok=True)
       with open(os.path.join(args.dump, f'{mode}.hlo.txt'), 'w') as f:
@@ -317,6 +427,13 @@ def main():
     if nccl:
       print(f'  NCCL kernels on the first GPU: {nccl:.2f} ms per step,'
             f' {exposed:.2f} ms of it with no other kernel running')
+    if args.gemms:
+      print('  GEMMs per step: launches, ms, us each, TFLOP/s, kernel,'
+            ' M x N x K, operands')
+      for _, kernel, m, n, k, dtypes, launches, ms, tflops in gemm_table(
+          r['ops'], r['hlo']):
+        print(f'  {launches:6.1f} {ms:8.2f} {1e3 * ms / launches:8.1f}'
+              f' {tflops:7.0f}  {kernel[:40]:40s} {m}x{n}x{k} {dtypes}')
     idle, waits = r['gaps']
     print(f'  idle between kernels on the busiest stream: {idle:.2f} ms per'
           ' step; most before:')

@@ -59,3 +59,44 @@ def test_class_totals_sum_each_kernel_into_its_op_class(monkeypatch):
   assert step_profile.class_totals('unused', 3) == {
       'collectives (nccl)': 2.0, 'fp8 gemm': 5.0, 'gemm': 1.5,
       'reduce': 0.25, 'fusion (elementwise)': 1.25}
+
+
+def test_gemm_shapes_read_m_n_k_from_compiled_hlo():
+  """Each dot of a compiled step, whatever its operands' layouts, with the
+  (M, N, K) its result and operands imply."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  def f(a, b, w):
+    h = jnp.tanh(a @ b.T)  # (64, 48) from K = 32
+    return jax.lax.dot_general(h, w, (((0,), (0,)), ((), ())))  # K = 64
+
+  args = [jnp.ones(s, jnp.float32) for s in ((64, 32), (48, 32), (64, 16))]
+  hlo = jax.jit(f).lower(*args).compile().as_text()
+  got = set(step_profile.gemm_shapes(hlo).values())
+  assert {(64, 48, 32, 'f32 x f32'), (48, 16, 64, 'f32 x f32')} <= got
+  assert all((m, n, k) in {(64, 48, 32), (48, 16, 64)}
+             for m, n, k, _ in got), got
+
+
+def test_gemm_table_groups_gemm_kernels_by_shape():
+  hlo = '\n'.join((
+      '%a = f8e4m3fn[256,64]{1,0} parameter(0)',
+      '%b = f8e4m3fn[32,64]{1,0} parameter(1)',
+      '%s = f32[] parameter(2)',
+      '%mm.1 = (bf16[256,32]{1,0}, s8[1024]{0}) custom-call(%a, %b, %s),'
+      ' custom_call_target="__cublas$lt$matmul$f8"',
+      '%mm.2 = (bf16[256,32]{1,0}, s8[1024]{0}) custom-call(%a, %b, %s),'
+      ' custom_call_target="__cublas$lt$matmul$f8"',
+      '%sum = bf16[256,32]{1,0} add(%x, %y)'))
+  ops = {('nvjet_sm90_qqtst_128x128', 'mm.1'): (2.0, 1.0),
+         ('nvjet_sm90_qqtst_128x128', 'mm.2'): (4.0, 1.0),
+         ('loop_add_fusion', 'sum'): (1.0, 1.0),
+         ('fp8_matmul_block_mosaic_gpu_kernel', 'unknown'): (0.5, 2.0)}
+  table = step_profile.gemm_table(ops, hlo)
+  flops = 2 * 256 * 32 * 64
+  assert table == [
+      ('fp8 gemm', 'nvjet_sm90_qqtst_128x128', 256, 32, 64,
+       'f8e4m3fn x f8e4m3fn', 2.0, 6.0, 2 * flops / 6e9),
+      ('fp8 gemm', 'fp8_matmul_block_mosaic_gpu_kernel', 0, 0, 0, '', 2.0,
+       0.5, 0.0)]
