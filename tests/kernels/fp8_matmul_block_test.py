@@ -75,7 +75,8 @@ def ref_f64(a, b, a_scale, b_scale, granularity, blas=True):
       part = a[:, ks] @ b[:, ks].T
     else:
       part = np.einsum('mk,nk->mn', a[:, ks], b[:, ks], optimize=False)
-    out += part * sa[:, j:j + 1] * sb[None, :, j]
+    with np.errstate(invalid='ignore'):  # Inf * 0 is NaN on purpose
+      out += part * sa[:, j:j + 1] * sb[None, :, j]
   return out
 
 
