@@ -16,6 +16,8 @@
   python3 benchmarks/matmul.py --block [--quick]   # block-scaled, paired
   python3 benchmarks/matmul.py --block --shapes 4,3:row,2048x2048x16384:row
       # ':row': per-row b scales (the layers run 'block' everywhere)
+  python3 benchmarks/matmul.py --in-step   # the 1b block step's GEMMs, each
+      # after a memory-bound pass as in the step, kernel time from a trace
 
 All operands are K-major: a (M, K), b (N, K); out (M, N) bfloat16 with the
 two per-tensor scales applied. Timing: >= 2 s of warm-up, then the median over
@@ -37,6 +39,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -859,6 +862,128 @@ def run_block(args, log):
             f' precise {vs_precise:.3f}')
 
 
+# The 1b block step's FP8 GEMMs as it runs them (`step_profile.py --gemms`,
+# H200, 2026-11-29): (name, M, N, K, a dtype, b dtype, out dtype, calls per
+# layer). wgrad is dW^T = X^T dY: a = X^T (E4M3, 1x128 tiles along tokens),
+# b = dY^T (E5M2, 128x128 blocks), float32 out; no c operand (the step adds
+# the residual or the other gate/up dgrad in some epilogues).
+STEP_GEMMS_1B = [
+    (f'1b {name} {kind}', *dims, calls)
+    for name, out, inp, calls in (('qkv', 2560, 2048, 1), ('o', 2048, 2048, 1),
+                                  ('gate/up', 5632, 2048, 2),
+                                  ('down', 2048, 5632, 1))
+    for kind, *dims in (
+        ('fwd', T, out, inp, E4M3, E4M3, jnp.bfloat16),
+        ('dgrad', T, inp, out, E5M2, E4M3, jnp.bfloat16),
+        ('wgrad', inp, out, T, E4M3, E5M2, jnp.float32))]
+NUM_LAYERS_1B = 22
+FILLER_BYTES = 384 * 2**20  # a memory-bound pass, ~0.16 ms on an H200
+IN_STEP_REPS = 8
+
+
+def after_filler(gemm, reps=IN_STEP_REPS):
+  """jit(f)(y, *args): `reps` calls of gemm(*args) in order, each after a
+  memory-bound pass over y (float32), as GEMMs run in a train step between
+  elementwise kernels rather than back to back; the barriers keep XLA from
+  merging or reordering the equal calls."""
+  def f(y, *args):
+    total = jnp.float32(0)
+    for _ in range(reps):
+      y = y * 1.0001
+      y, args = jax.lax.optimization_barrier((y, args))
+      out = gemm(*args)
+      out, y, args = jax.lax.optimization_barrier((out, y, args))
+      total = total + out[0, 0].astype(jnp.float32)
+    return y, total
+  return jax.jit(f)
+
+
+def traced_kernel_us(fns, args, kernels, calls=3):
+  """{label: (us per launch, launches per call)} of the GPU kernels whose
+  names contain kernels[label], from a profiler trace of `calls` calls of
+  each fns[label](*args) (each warmed ~0.3 s first)."""
+  from benchmarks import step_profile  # noqa: PLC0415 (a heavy import)
+  out = {}
+  for label, f in list(fns.items()):
+    try:
+      time_fn(f, args, warmup_s=0.3, reps=1)
+    except Exception as e:  # noqa: BLE001 (a failed kernel reads nan)
+      print(f'{label} failed: {str(e)[:200]}', flush=True)
+      out[label] = (float('nan'), 0)
+  fns = {label: f for label, f in fns.items() if label not in out}
+  trace_dir = tempfile.mkdtemp(prefix='matmul_in_step_')
+  with jax.profiler.trace(trace_dir):
+    for f in fns.values():
+      for _ in range(calls):
+        jax.block_until_ready(f(*args))
+  stats = step_profile.kernel_stats(trace_dir, calls)
+  for label in fns:
+    got = [(ms, n) for name, (ms, n) in stats.items() if kernels[label] in name]
+    ms, n = sum(x for x, _ in got), sum(x for _, x in got)
+    out[label] = (1e3 * ms / n if n else float('nan'), n)
+  return out
+
+
+def run_in_step(args, log):
+  """The 1b block step's GEMMs (`STEP_GEMMS_1B`: its orientations, dtypes
+  and float32 wgrad outputs) each after a memory-bound pass, as a step runs
+  them: the block-scaled kernel, the per-tensor Pallas kernel and cuBLASLt
+  precise, per-launch kernel time from a profiler trace, and their sum over
+  the step's 22 layers, to set beside `step_profile.py --gemms`. Paired
+  back-to-back rounds (--block) run at the power cap, where the kernels
+  rank differently."""
+  global_warmup(2.0)
+  y = jnp.ones(FILLER_BYTES // 4, jnp.float32)
+  kernels = {'block': 'fp8_matmul_block_mosaic', 'per-tensor Pallas':
+             'fp8_matmul_mosaic', 'cuBLASLt precise': 'nvjet'}
+  layers = NUM_LAYERS_1B
+  rows, step_ms = [], dict.fromkeys(kernels, 0.0)
+  print('| GEMM | M x N x K | a x b -> out | '
+        + ' | '.join(f'{k} us' for k in kernels)
+        + ' | block / per-tensor | block / cuBLASLt |')
+  print('|---' * (5 + len(kernels)) + '|', flush=True)
+  for name, m, n, k, a_dtype, b_dtype, out_dtype, calls in STEP_GEMMS_1B:
+    a, b = operands(m, n, k, a_dtype)
+    b = b.astype(b_dtype)
+    sa, sb = block_scales(m, n, k, 'block')
+    s = jnp.float32(0.75)
+
+    def block(a, b, s, sa, sb, out_dtype=out_dtype):
+      del s
+      return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+          a, b, sa, sb, b_granularity='block', out_dtype=out_dtype,
+          a_scale_transposed=True, b_scale_transposed=True)
+
+    def per_tensor(a, b, s, sa, sb, out_dtype=out_dtype):
+      del sa, sb
+      return mosaic_gpu.fp8_matmul_mosaic(a, b, s, out_dtype=out_dtype)
+
+    def precise(a, b, s, sa, sb, out_dtype=out_dtype):
+      del s, sa, sb
+      return jax.lax.dot_general(
+          a, b, DIMS, precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
+          preferred_element_type=out_dtype)
+
+    fns = {label: functools.partial(after_filler(f), y) for label, f in
+           zip(kernels, (block, per_tensor, precise))}
+    got = traced_kernel_us(fns, (a, b, s, sa.T, sb.T), kernels)
+    for label, (us, _) in got.items():
+      step_ms[label] += us * calls * layers / 1e3
+    row = dict(name=name, m=m, n=n, k=k, a=jnp.dtype(a_dtype).name,
+               b=jnp.dtype(b_dtype).name, out=jnp.dtype(out_dtype).name,
+               calls_per_layer=calls, us={x: v[0] for x, v in got.items()},
+               launches={x: v[1] for x, v in got.items()})
+    rows.append(row)
+    us = row['us']
+    print(f'| {name} | {m}x{n}x{k} | {row["a"]} x {row["b"]} -> {row["out"]} | '
+          + ' | '.join(f'{us[x]:.1f}' for x in kernels)
+          + f' | {us["per-tensor Pallas"] / us["block"]:.3f}'
+          f' | {us["cuBLASLt precise"] / us["block"]:.3f} |', flush=True)
+  log['in_step'] = dict(rows=rows, step_ms=step_ms, layers=layers)
+  print(f'Sum over {layers} layers (ms per step): ' + ', '.join(
+      f'{x} {v:.1f}' for x, v in step_ms.items()))
+
+
 def triton32(a, b, cfg):
   if triton_why_not() is not None:
     raise RuntimeError('n/a')
@@ -880,6 +1005,10 @@ def main():
   p.add_argument('--block', action='store_true',
                  help='block-scaled kernel vs per-tensor Pallas and cuBLASLt'
                  ' precise, paired (--shapes, --rounds, --quick apply)')
+  p.add_argument('--in-step', action='store_true',
+                 help='the 1b block step\'s GEMMs as it runs them, each'
+                 ' after a memory-bound pass: block, per-tensor Pallas and'
+                 ' cuBLASLt precise kernel time from a profiler trace')
   p.add_argument('--block-configs', action='store_true',
                  help='with --block: also time the other configs the block'
                  ' kernel can run (ratios to the per-tensor kernel)')
@@ -923,7 +1052,7 @@ def main():
   mode = ('all' if args.all else 'sweep' if args.sweep else
           'accuracy' if args.accuracy else 'groups' if args.groups else
           'paired' if args.paired else 'k_lines' if args.k_lines else
-          'block' if args.block else 'main')
+          'block' if args.block else 'in_step' if args.in_step else 'main')
   try:
     if mode == 'all':
       run_sweep(args, log)
@@ -931,7 +1060,7 @@ def main():
     else:
       {'sweep': run_sweep, 'accuracy': run_accuracy, 'groups': run_groups,
        'paired': run_paired, 'k_lines': run_k_lines, 'block': run_block,
-       'main': run_main}[mode](args, log)
+       'in_step': run_in_step, 'main': run_main}[mode](args, log)
   finally:
     tag = f'_{args.semantics}' if args.semantics else ''
     tag += '_configs' if args.block_configs else ''
