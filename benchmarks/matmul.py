@@ -929,9 +929,10 @@ def run_in_step(args, log):
   and float32 wgrad outputs) each after a memory-bound pass, as a step runs
   them: the block-scaled kernel, the per-tensor Pallas kernel and cuBLASLt
   precise, per-launch kernel time from a profiler trace, and their sum over
-  the step's 22 layers, to set beside `step_profile.py --gemms`. Paired
-  back-to-back rounds (--block) run at the power cap, where the kernels
-  rank differently."""
+  the step's 22 layers, to set beside `step_profile.py --gemms`. The
+  paired rounds of --block write bf16 only, while the step's wgrads write
+  float32, which costs the block kernel 12-15% (RESULTS.md
+  "fp8-gemm-block-in-step")."""
   global_warmup(2.0)
   y = jnp.ones(FILLER_BYTES // 4, jnp.float32)
   kernels = {'block': 'fp8_matmul_block_mosaic', 'per-tensor Pallas':

@@ -30,6 +30,7 @@ import re
 import statistics
 import tempfile
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -144,14 +145,11 @@ def _stream_lines(trace_dir):
 def kernel_stats(trace_dir, steps):
   """{kernel name: (ms per step, launches per step)} over the GPU streams
   of a trace, per device (the mean over the devices)."""
-  devices = _gpu_streams(trace_dir)
-  n = max(1, len(devices))
-  totals, launches = collections.Counter(), collections.Counter()
-  for line in _stream_lines(trace_dir):
-    for event in line.events:
-      totals[event.name] += event.duration_ns / 1e6 / steps / n
-      launches[event.name] += 1 / steps / n
-  return {name: (ms, launches[name]) for name, ms in totals.items()}
+  totals = collections.defaultdict(lambda: [0.0, 0.0])
+  for (name, _), (ms, launches) in op_stats(trace_dir, steps).items():
+    totals[name][0] += ms
+    totals[name][1] += launches
+  return {name: tuple(v) for name, v in totals.items()}
 
 
 def op_stats(trace_dir, steps):
@@ -161,11 +159,14 @@ def op_stats(trace_dir, steps):
   devices = _gpu_streams(trace_dir)
   n = max(1, len(devices))
   totals, launches = collections.Counter(), collections.Counter()
-  for line in _stream_lines(trace_dir):
-    for event in line.events:
-      key = (event.name, dict(event.stats).get('hlo_op', ''))
-      totals[key] += event.duration_ns / 1e6 / steps / n
-      launches[key] += 1 / steps / n
+  with warnings.catch_warnings():
+    # jax 0.11.2: "builtin type event_stats has no __module__ attribute".
+    warnings.simplefilter('ignore', DeprecationWarning)
+    for line in _stream_lines(trace_dir):
+      for event in line.events:
+        key = (event.name, dict(event.stats).get('hlo_op', ''))
+        totals[key] += event.duration_ns / 1e6 / steps / n
+        launches[key] += 1 / steps / n
   return {key: (ms, launches[key]) for key, ms in totals.items()}
 
 
@@ -379,7 +380,7 @@ def profile(config, steps, gemms=False):
   stats = kernel_stats(trace_dir, 3)
   return dict(seconds=seconds, compile_s=compile_s, temp=temp,
               gaps=kernel_gaps(trace_dir, 3), kernels=_totals(stats),
-              ops=op_stats(trace_dir, 3), trace_dir=trace_dir,
+              ops=op_stats(trace_dir, 3),
               collectives=exposed_collectives(trace_dir, 3), stats=stats,
               hlo=compiled.as_text())
 
