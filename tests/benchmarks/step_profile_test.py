@@ -100,3 +100,25 @@ def test_gemm_table_groups_gemm_kernels_by_shape():
        'f8e4m3fn x f8e4m3fn', 2.0, 6.0, 2 * flops / 6e9),
       ('fp8 gemm', 'fp8_matmul_block_mosaic_gpu_kernel', 0, 0, 0, '', 2.0,
        0.5, 0.0)]
+
+
+def test_kernel_and_op_stats_per_step_and_device(monkeypatch):
+  """Kernel time per step and device, by kernel name and by the HLO
+  instruction that launched it (the 'hlo_op' stat of a trace's event)."""
+  import types  # noqa: PLC0415
+
+  def event(name, us, op=None):
+    return types.SimpleNamespace(
+        name=name, duration_ns=us * 1e3, start_ns=0,
+        stats=[('hlo_op', op)] if op else [])
+
+  line = lambda *events: types.SimpleNamespace(events=list(events))
+  devices = [[line(event('gemm', 100, 'mm.1'), event('gemm', 300, 'mm.2')),
+              line(event('add', 50))],
+             [line(event('gemm', 100, 'mm.1'), event('gemm', 300, 'mm.2'))]]
+  monkeypatch.setattr(step_profile, '_gpu_streams', lambda trace_dir: devices)
+  ops = step_profile.op_stats('unused', steps=2)  # ms, launches per step
+  assert ops == {('gemm', 'mm.1'): (0.05, 0.5), ('gemm', 'mm.2'): (0.15, 0.5),
+                 ('add', ''): (0.0125, 0.25)}
+  assert step_profile.kernel_stats('unused', 2) == {'gemm': (0.2, 1.0),
+                                                    'add': (0.0125, 0.25)}
