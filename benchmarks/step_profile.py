@@ -145,8 +145,13 @@ def _stream_lines(trace_dir):
 def kernel_stats(trace_dir, steps):
   """{kernel name: (ms per step, launches per step)} over the GPU streams
   of a trace, per device (the mean over the devices)."""
+  return by_kernel(op_stats(trace_dir, steps))
+
+
+def by_kernel(ops: dict) -> dict:
+  """`op_stats`'s {(kernel, HLO op): (ms, launches)} summed by kernel."""
   totals = collections.defaultdict(lambda: [0.0, 0.0])
-  for (name, _), (ms, launches) in op_stats(trace_dir, steps).items():
+  for (name, _), (ms, launches) in ops.items():
     totals[name][0] += ms
     totals[name][1] += launches
   return {name: tuple(v) for name, v in totals.items()}
@@ -377,10 +382,10 @@ def profile(config, steps, gemms=False):
       jax.block_until_ready(metrics)
   # Peak memory is per process: train_modes.py measures it, one mode each.
   temp = compiled.memory_analysis().temp_size_in_bytes
-  stats = kernel_stats(trace_dir, 3)
+  ops = op_stats(trace_dir, 3)
+  stats = by_kernel(ops)
   return dict(seconds=seconds, compile_s=compile_s, temp=temp,
-              gaps=kernel_gaps(trace_dir, 3), kernels=_totals(stats),
-              ops=op_stats(trace_dir, 3),
+              gaps=kernel_gaps(trace_dir, 3), kernels=_totals(stats), ops=ops,
               collectives=exposed_collectives(trace_dir, 3), stats=stats,
               hlo=compiled.as_text())
 

@@ -18,7 +18,7 @@ BLOCKS = reference.BLOCKS
 PALLAS_IS_DEFAULT = True
 
 
-def _mosaic():
+def _mosaic_kernel():
   from pallas_kernels.quantize_blockwise import mosaic_gpu  # pylint: disable=import-outside-toplevel
   return mosaic_gpu
 
@@ -29,7 +29,8 @@ def _runs_mosaic(widths, rows, dtype, transpose, interpret) -> bool:
   multiples of 128 (90% of a copy's speed at 16384 x 2048 on an H200, the
   Triton kernel 66%: RESULTS.md "quantize-blockwise"). Otherwise the
   Triton kernel."""
-  return not interpret and _mosaic().supports(widths, rows, dtype, transpose)
+  return not interpret and _mosaic_kernel().supports(widths, rows, dtype,
+                                                      transpose)
 
 
 def check_block(block: Any) -> tuple[int, int]:
@@ -95,7 +96,7 @@ def quantize_blockwise(
     rows, cols = _common.as_2d(x.shape)
     if block == (1, TILE) and _runs_mosaic((cols,), rows, x.dtype, transpose,
                                            interpret):
-      values, scales, values_t, scales_t = _mosaic().quantize_blockwise(
+      values, scales, values_t, scales_t = _mosaic_kernel().quantize_blockwise(
           x.reshape(rows, cols), dt, pow2=bool(pow2_scales),
           transpose_block=transpose_block)
       return (values.reshape(x.shape),
@@ -138,7 +139,7 @@ def quantize_blockwise_parts(
     widths = tuple(x.shape[1] for x in parts)
     if _runs_mosaic(widths, parts[0].shape[0], parts[0].dtype, transpose,
                     interpret):
-      return _mosaic().quantize_blockwise_parts(
+      return _mosaic_kernel().quantize_blockwise_parts(
           tuple(parts), dt, pow2=bool(pow2_scales),
           transpose_block=transpose_block)
     from pallas_kernels.quantize_blockwise import pallas_triton
