@@ -189,16 +189,18 @@ def _epilogue_n(cfg: Config, out_itemsize: int, limit: int) -> int:
 
 def _plan_smem(cfg: Config, in_itemsize: int, out_itemsize: int, *,
                out_cols: int | None = None, extra_bytes: int = 0,
-               extra_stage_bytes: int = 0) -> tuple[int, int]:
+               extra_stage_bytes: int = 0,
+               out_slots: int = 1) -> tuple[int, int]:
   """(pipeline stages, epilogue columns) that fit shared memory, with
-  `out_cols` epilogue columns if given and `extra_bytes` more for it, and
-  `extra_stage_bytes` more per stage (further pipelined inputs)."""
+  `out_cols` epilogue columns if given, `out_slots` epilogue buffers of
+  them and `extra_bytes` more for the epilogue, and `extra_stage_bytes`
+  more per stage (further pipelined inputs)."""
   per_stage = ((cfg.block_m + cfg.block_n) * cfg.block_k * in_itemsize
                + extra_stage_bytes)
   best = None
   for limit in (32 * 1024, 16 * 1024):
     epi_n = out_cols or _epilogue_n(cfg, out_itemsize, limit)
-    out_bytes = cfg.block_m * epi_n * out_itemsize + extra_bytes
+    out_bytes = cfg.block_m * epi_n * out_itemsize * out_slots + extra_bytes
     stages = min(cfg.max_stages, (_SMEM_BUDGET - out_bytes) // per_stage)
     if best is None or stages > best[0]:
       best = (stages, epi_n)

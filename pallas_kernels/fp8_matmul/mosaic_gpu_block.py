@@ -33,7 +33,9 @@ the FP32 sum, so no promotion waits on a scale read from SMEM (the few-tile
 RESULTS.md "fp8-gemm-block"); a tile's first step's come from GMEM.
 The output is not scaled again: the FP32 sum (plus c, an optional (M, N)
 operand in the output's dtype that each warpgroup copies by TMA through
-its epilogue buffer) is cast and stored.
+its epilogue buffer) is cast and TMA-stored in column chunks, through one
+SMEM buffer a warpgroup, or one a chunk for float32 outputs of three
+warpgroups (`plan_smem`).
 
 NaN and Inf propagate by IEEE rules: a NaN in a[m, :] or a_scale[m, :]
 makes row m of the output NaN, a NaN in b_scale makes its block's (or
@@ -116,6 +118,33 @@ def select_config(m: int, n: int, num_ctas: int | None = None, *,
                                   candidates=CANDIDATES[b_granularity])
 
 
+def plan_smem(cfg: Config, out_dtype, scale_bytes: int):
+  """(pipeline stages, epilogue columns per chunk, epilogue buffers) for
+  the kernel, with `scale_bytes` of scales per stage.
+
+  float32 outputs of three warpgroups get a buffer per chunk (the whole
+  tile: no chunk then waits for another's store, and the next tile starts
+  while they drain) at the cost of a stage (4 -> 3): the 1b step's
+  wgrads ran 4-6% faster (H200, NOTES.md run 7). The others keep one: a
+  second costs the two-warpgroup tiles a stage (o wgrad 100 -> 122 us) and
+  made the 16384 x 5632 bf16 outputs 7-10% slower with as many stages.
+  """
+  stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
+      cfg, 1, jnp.dtype(out_dtype).itemsize, extra_stage_bytes=scale_bytes)
+  if jnp.dtype(out_dtype) != jnp.float32 or cfg.compute_wgs != 3:
+    return stages, epi_n, 1
+  slots = cfg.block_n // epi_n
+  try:
+    tile_stages, _ = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
+        cfg, 1, 4, extra_stage_bytes=scale_bytes, out_cols=epi_n,
+        out_slots=slots)
+  except ValueError:  # the whole tile does not fit beside 2 stages
+    return stages, epi_n, 1
+  if tile_stages < max(3, stages - 1):  # measured at 4 -> 3 only
+    return stages, epi_n, 1
+  return tile_stages, epi_n, slots
+
+
 def _promote_scaled(total, accs, add_scaled, release=()):
   """add_scaled(total, j-th wgmma result, j) for each wgmma, waiting for one
   at a time; arrives on the `release` barriers once all wgmmas are done,
@@ -129,14 +158,33 @@ def _promote_scaled(total, accs, add_scaled, release=()):
   return total
 
 
-def _load_c(c_chunk, out_smem, wg, barrier):
-  """Warpgroup wg's (wg_m, chunk) block of c as float32 in the WGMMA
-  layout, copied by TMA through its epilogue buffer out_smem[wg] (once the
-  previous store has read it): rows past c's end come as zeros."""
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  plgpu.copy_gmem_to_smem(c_chunk, out_smem.at[wg], barrier)
+def _load_c(c_chunk, buffer, barrier):
+  """A warpgroup's (wg_m, chunk) block of c as float32 in the WGMMA layout,
+  copied by TMA through its epilogue buffer (free: the caller waited for
+  the store that read it last): rows past c's end come as zeros."""
+  plgpu.copy_gmem_to_smem(c_chunk, buffer, barrier)
   plgpu.barrier_wait(barrier)
-  return _mosaic.load(out_smem.at[wg], plgpu.Layout.WGMMA).astype(jnp.float32)
+  return _mosaic.load(buffer, plgpu.Layout.WGMMA).astype(jnp.float32)
+
+
+def _store_chunks(total, chunks, out_tile, out_smem, wg, c_tile=None,
+                  c_barrier=None):
+  """Casts and TMA-stores warpgroup wg's FP32 sum (a tuple of column
+  chunks) to out_tile, chunk j through epilogue buffer out_smem[j % slots,
+  wg]: a buffer is written once the store that last read it is done, and
+  up to slots - 1 stores are still reading the others (slots must divide
+  the chunks: each tile's first chunk then finds its buffer's last store
+  `slots` stores back). With c_tile, c's chunk is added first, copied in
+  through the same buffer."""
+  slots = out_smem.shape[0]
+  for j, (t, cs) in enumerate(zip(total, chunks)):
+    buffer = out_smem.at[j % slots, wg]
+    plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    if c_tile is not None:
+      t = t + _load_c(c_tile.at[:, cs], buffer, c_barrier)
+    buffer[...] = t.astype(out_tile.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buffer, out_tile.at[:, cs])
 
 
 def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
@@ -146,8 +194,9 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
   M' / wg_m, wg_m) f32 (a_scale transposed); bs (Kp / 128, n') f32 for
   'block' (n' >= n_iters, a multiple of 4), (Kp / 128, N') for 'row'; with
   has_c, c (Mp, Np) in out's dtype, added to the sum; out (Mp, Np). Then
-  out_smem, the epilogue's buffer, and with has_c a barrier per compute
-  warpgroup for c's copies into it. Scale rows past M' and columns past N'
+  out_smem, the epilogue's buffers (slots, compute_wgs, wg_m, chunk:
+  `plan_smem`), and with has_c a barrier per compute warpgroup for c's
+  copies into them. Scale rows past M' and columns past N'
   (or n') are read by TMA as zeros or as other scales (their outputs are
   clipped or sliced off)."""
   if has_c:
@@ -278,11 +327,9 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
           total = run_pipeline(zeros())
         rows = pl.ds(mi * cfg.block_m + wg * wg_m, wg_m)
         out_tile = out_gmem.at[rows, n_sl]
-        for t, cs in zip(total, chunks):
-          if has_c:
-            t = t + _load_c(c_gmem.at[rows, n_sl].at[:, cs], out_smem, wg,
-                            c_barriers.at[wg])
-          mosaic_gpu._store_tile(t, None, out_tile.at[:, cs], out_smem, wg)  # pylint: disable=protected-access
+        _store_chunks(total, chunks, out_tile, out_smem, wg,
+                      *((c_gmem.at[rows, n_sl], c_barriers.at[wg]) if has_c
+                        else ()))
 
       def run(state=None):
         make_pipeline(body, context, state, mi, ni)(
@@ -508,9 +555,8 @@ def _call_kernel(a, b, a_scale, b_scale, c, b_granularity, out_dtype, cfg,
   # 'row', (split_k, 32) for 'block'.
   scale_bytes = cfg.split_k * 4 * (
       cfg.block_m + (cfg.block_n if rows_b else _B_TILES_PER_COPY))
-  stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
-      cfg, 1, out_dtype.itemsize, extra_stage_bytes=scale_bytes)
-  out_smem = plgpu.SMEM((cfg.compute_wgs, cfg.wg_m, epi_n), out_dtype,
+  stages, epi_n, slots = plan_smem(cfg, out_dtype, scale_bytes)
+  out_smem = plgpu.SMEM((slots, cfg.compute_wgs, cfg.wg_m, epi_n), out_dtype,
                         transforms=_mosaic.smem_transforms(out_dtype, epi_n))
   if cfg.pad_mn:
     mp = mosaic_gpu._round_up(m, cfg.block_m)  # pylint: disable=protected-access

@@ -237,6 +237,33 @@ def test_block_scales_prefer_three_warpgroups_at_the_1b_outputs():
   assert block(16384, 2048, 'row') == default
 
 
+def test_float32_outputs_of_three_warpgroups_buffer_the_whole_tile():
+  """plan_smem: a buffer per epilogue chunk (4 of 32 float32 columns at
+  192 x 128, one stage fewer: 3) for float32 outputs of three warpgroups,
+  and everything fits shared memory; one buffer otherwise."""
+  budget = 226 * 1024
+  scale_bytes = lambda cfg, g: 4 * cfg.split_k * (
+      cfg.block_m + (cfg.block_n if g == 'row' else 32))
+  plans = {}
+  for config, cid in zip(CONFIGS, CONFIG_IDS):
+    for g in GRANULARITIES:
+      for out_dtype in (jnp.bfloat16, jnp.float32):
+        stages, epi_n, slots = plans[cid, g, jnp.dtype(out_dtype).name] = (
+            mosaic_gpu_block.plan_smem(config, out_dtype,
+                                       scale_bytes(config, g)))
+        itemsize = jnp.dtype(out_dtype).itemsize
+        used = (stages * ((config.block_m + config.block_n)
+                          * config.block_k + scale_bytes(config, g))
+                + slots * config.block_m * epi_n * itemsize)
+        assert used <= budget, (cid, g, out_dtype)
+        assert config.block_n % (epi_n * slots) == 0
+        assert stages >= 2
+  assert plans['three_wg', 'block', 'float32'] == (3, 32, 4)
+  assert plans['three_wg', 'row', 'float32'] == (3, 32, 4)
+  assert plans['three_wg', 'block', 'bfloat16'] == (4, 64, 1)
+  assert plans['default', 'block', 'float32'][2] == 1
+
+
 def test_candidate_configs_are_valid():
   for config in CONFIGS:
     for granularity in GRANULARITIES:
