@@ -931,7 +931,8 @@ def run_in_step(args, log):
   precise, per-launch kernel time from a profiler trace, and their sum over
   the step's 22 layers, to set beside `step_profile.py --gemms`. The
   paired rounds of --block write bf16 only, while the step's wgrads write
-  float32, which costs the block kernel 12-15% (RESULTS.md
+  float32, which cost the block kernel 12-15% more than bf16 (before its
+  whole-tile float32 epilogue, 42bb0e8: RESULTS.md
   "fp8-gemm-block-in-step")."""
   global_warmup(2.0)
   y = jnp.ones(FILLER_BYTES // 4, jnp.float32)
