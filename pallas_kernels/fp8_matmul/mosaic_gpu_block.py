@@ -125,9 +125,10 @@ def plan_smem(cfg: Config, out_dtype, scale_bytes: int):
   float32 outputs of three warpgroups get a buffer per chunk (the whole
   tile: no chunk then waits for another's store, and the next tile starts
   while they drain) at the cost of a stage (4 -> 3): the 1b step's
-  wgrads ran 4-6% faster (H200, NOTES.md run 7). The others keep one: a
-  second costs the two-warpgroup tiles a stage (o wgrad 100 -> 122 us) and
-  made the 16384 x 5632 bf16 outputs 7-10% slower with as many stages.
+  wgrads ran 4-6% faster (H200; NOTES.md, block scales, run 7). The
+  others keep one: a second costs the two-warpgroup tiles a stage (o
+  wgrad 100 -> 122 us) and made the 16384 x 5632 bf16 outputs 7-10%
+  slower with as many stages.
   """
   stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
       cfg, 1, jnp.dtype(out_dtype).itemsize, extra_stage_bytes=scale_bytes)
