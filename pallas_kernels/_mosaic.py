@@ -13,6 +13,33 @@ except ImportError:  # pragma: no cover
   mgpu = plgpu = None
 
 
+def ask_ptxas_once(ext) -> bool:
+  """Caches `ext._get_ptxas_isa_version()` (ext: jaxlib's Mosaic GPU
+  extension module) for the process; True if it is cached now.
+
+  jax 0.10-0.11's Mosaic GPU lowering asks ptxas for its PTX ISA version
+  (~12 ms: ptxas runs) on every register cast that involves a type of <= 8
+  bits, booleans included: 82 times for one block-scaled GEMM (0.9 of its
+  1.6 s of lowering under jax 0.10.2), 902 for the 1b block train step
+  (its lowering 31.5 -> 24.4 s on an H200, jax 0.11.2). The answer cannot
+  change within a process.
+  """
+  ask = getattr(ext, '_get_ptxas_isa_version', None)
+  if ask is None:
+    return False
+  if not hasattr(ask, 'cache_info'):
+    ext._get_ptxas_isa_version = functools.cache(ask)  # pylint: disable=protected-access
+  return True
+
+
+try:
+  from jax._src.lib import mosaic_gpu as _mgpu_lib  # pylint: disable=g-import-not-at-top
+except ImportError:  # pragma: no cover (no Mosaic GPU in this jaxlib)
+  _mgpu_lib = None
+if _mgpu_lib is not None:
+  ask_ptxas_once(getattr(_mgpu_lib, '_mosaic_gpu_ext', None))
+
+
 def smem_transforms(dtype, minor_elems: int):
   """(8, swizzle) tiling + swizzle for a tile whose minor dim is given."""
   itemsize = jnp.dtype(dtype).itemsize
