@@ -11,6 +11,10 @@ try:  # Mosaic GPU is in jax >= 0.6; keep the module importable without it.
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   mgpu = plgpu = None
+try:  # jaxlib's Mosaic GPU bindings: absent from CPU-only jaxlibs.
+  from jax._src.lib import mosaic_gpu as _mgpu_lib
+except ImportError:
+  _mgpu_lib = None
 
 
 def ask_ptxas_once(ext) -> bool:
@@ -32,12 +36,7 @@ def ask_ptxas_once(ext) -> bool:
   return True
 
 
-try:
-  from jax._src.lib import mosaic_gpu as _mgpu_lib  # pylint: disable=g-import-not-at-top
-except ImportError:  # pragma: no cover (no Mosaic GPU in this jaxlib)
-  _mgpu_lib = None
-if _mgpu_lib is not None:
-  ask_ptxas_once(getattr(_mgpu_lib, '_mosaic_gpu_ext', None))
+ask_ptxas_once(getattr(_mgpu_lib, '_mosaic_gpu_ext', None))
 
 
 def smem_transforms(dtype, minor_elems: int):

@@ -209,6 +209,27 @@ def _plan_smem(cfg: Config, in_itemsize: int, out_itemsize: int, *,
   return best
 
 
+def _store_chunks(chunks, out_tile, buffers, add=None):
+  """TMA-stores a warpgroup's tile to out_tile (GMEM) in column chunks,
+  [(values (rows, cols) in WGMMA layout, column slice)], cast to
+  out_tile's dtype, chunk j through SMEM buffers[j % len(buffers)]: a
+  buffer is written once the store that last read it is done, while up to
+  len(buffers) - 1 stores still read the others (len(buffers) divides the
+  chunks: each tile's first chunk then finds its buffer's last store that
+  many stores back). add(values, column slice, buffer), if given, runs
+  once the buffer is free, before the cast (the block kernel adds c,
+  copied in through the buffer)."""
+  slots = len(buffers)
+  for j, (values, cols) in enumerate(chunks):
+    buffer = buffers[j % slots]
+    plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    if add is not None:
+      values = add(values, cols, buffer)
+    buffer[...] = values.astype(out_tile.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buffer, out_tile.at[:, cols])
+
+
 def _store_tile(acc, scale_ref, out_tile, out_smem, wg):
   """Scales warpgroup wg's f32 accumulator by scale_ref[0] (unless
   scale_ref is None), casts it to out_tile's dtype and TMA-stores it to
@@ -216,12 +237,8 @@ def _store_tile(acc, scale_ref, out_tile, out_smem, wg):
   epi_n = out_smem.shape[-1]
   y = acc if scale_ref is None else acc * scale_ref[0]
   y = y.astype(out_tile.dtype)
-  for j in range(acc.shape[1] // epi_n):
-    cols = slice(j * epi_n, (j + 1) * epi_n)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    out_smem[wg] = y[:, cols]
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[:, cols])
+  cols = [slice(c, c + epi_n) for c in range(0, acc.shape[1], epi_n)]
+  _store_chunks([(y[:, c], c) for c in cols], out_tile, [out_smem.at[wg]])
 
 
 GROUP = 16  # columns per scale of the FP8 grouped output

@@ -161,31 +161,11 @@ def _promote_scaled(total, accs, add_scaled, release=()):
 
 def _load_c(c_chunk, buffer, barrier):
   """A warpgroup's (wg_m, chunk) block of c as float32 in the WGMMA layout,
-  copied by TMA through its epilogue buffer (free: the caller waited for
-  the store that read it last): rows past c's end come as zeros."""
+  copied by TMA through its epilogue buffer (free: `_store_chunks` waited
+  for the store that read it last): rows past c's end come as zeros."""
   plgpu.copy_gmem_to_smem(c_chunk, buffer, barrier)
   plgpu.barrier_wait(barrier)
   return _mosaic.load(buffer, plgpu.Layout.WGMMA).astype(jnp.float32)
-
-
-def _store_chunks(total, chunks, out_tile, out_smem, wg, c_tile=None,
-                  c_barrier=None):
-  """Casts and TMA-stores warpgroup wg's FP32 sum (a tuple of column
-  chunks) to out_tile, chunk j through epilogue buffer out_smem[j % slots,
-  wg]: a buffer is written once the store that last read it is done, and
-  up to slots - 1 stores are still reading the others (slots must divide
-  the chunks: each tile's first chunk then finds its buffer's last store
-  `slots` stores back). With c_tile, c's chunk is added first, copied in
-  through the same buffer."""
-  slots = out_smem.shape[0]
-  for j, (t, cs) in enumerate(zip(total, chunks)):
-    buffer = out_smem.at[j % slots, wg]
-    plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-    if c_tile is not None:
-      t = t + _load_c(c_tile.at[:, cs], buffer, c_barrier)
-    buffer[...] = t.astype(out_tile.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(buffer, out_tile.at[:, cs])
 
 
 def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
@@ -328,9 +308,13 @@ def _kernel(a_gmem, b_gmem, as_gmem, bs_gmem, *refs,
           total = run_pipeline(zeros())
         rows = pl.ds(mi * cfg.block_m + wg * wg_m, wg_m)
         out_tile = out_gmem.at[rows, n_sl]
-        _store_chunks(total, chunks, out_tile, out_smem, wg,
-                      *((c_gmem.at[rows, n_sl], c_barriers.at[wg]) if has_c
-                        else ()))
+        add_c = None
+        if has_c:
+          c_tile = c_gmem.at[rows, n_sl]
+          add_c = lambda t, cs, buffer: t + _load_c(
+              c_tile.at[:, cs], buffer, c_barriers.at[wg])
+        buffers = [out_smem.at[s, wg] for s in range(out_smem.shape[0])]
+        mosaic_gpu._store_chunks(zip(total, chunks), out_tile, buffers, add_c)  # pylint: disable=protected-access
 
       def run(state=None):
         make_pipeline(body, context, state, mi, ni)(
