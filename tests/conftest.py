@@ -8,13 +8,16 @@ os.environ['XLA_FLAGS'] = (
 
 import tempfile  # noqa: E402
 
+# Many tests build the same small programs; a persistent cache shared by the
+# test workers compiles each once. Set for jax (read when it is imported) and
+# for the train.py processes the tests start, which then keep it rather than
+# train.compilation_cache_dir's default in the home directory.
+os.environ['JAX_COMPILATION_CACHE_DIR'] = os.path.join(
+    tempfile.gettempdir(), 'coat_jax_test_compilation_cache')
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Many tests build the same small programs; a persistent cache shared by the
-# test workers compiles each once.
-jax.config.update('jax_compilation_cache_dir', os.path.join(
-    tempfile.gettempdir(), 'coat_jax_test_compilation_cache'))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 

@@ -12,9 +12,10 @@ from coat_jax.training.config import validate
 from coat_jax.training.trainer import NonFiniteError
 from coat_jax.training.trainer import build
 from coat_jax.training.trainer import train
+from coat_jax.training.trainer import use_compilation_cache
 
 __all__ = [
     'Config', 'DataConfig', 'MeshConfig', 'ModelConfig', 'NonFiniteError',
     'OptimConfig', 'TrainConfig', 'apply_overrides', 'build', 'load_config',
-    'train', 'validate',
+    'train', 'use_compilation_cache', 'validate',
 ]

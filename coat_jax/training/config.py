@@ -122,6 +122,11 @@ class TrainConfig:
   # that trained (0: none); byte-level or data.tokenizer text only.
   sample_tokens: int = 64
   sample_prompt: str = 'def '
+  # jax's persistent compilation cache: a rerun of the same step (a resumed
+  # run, the same config again) loads XLA's executable instead of compiling
+  # it. '' leaves it off; a directory jax already has
+  # (JAX_COMPILATION_CACHE_DIR) wins.
+  compilation_cache_dir: str = '~/.cache/coat_jax/compilation'
 
 
 @dataclasses.dataclass

@@ -386,6 +386,24 @@ def restore_state(setup: Setup, checkpointer: Checkpointer, step: int):
   return checkpointer.restore(step, template)
 
 
+def use_compilation_cache(directory: str) -> str | None:
+  """Points jax's persistent compilation cache at `directory` (`~`
+  expanded) unless jax already has one (JAX_COMPILATION_CACHE_DIR or
+  jax.config); '' leaves jax's setting as it is. Returns the directory jax
+  caches in, or None.
+
+  A rerun of a step (same program, compiler options and devices) then loads
+  XLA's executable instead of compiling it; lowering, Mosaic GPU kernels
+  included, still runs. Takes effect for compiles that follow.
+  """
+  current = jax.config.jax_compilation_cache_dir
+  if current or not directory:
+    return current or None
+  directory = os.path.expanduser(directory)
+  jax.config.update('jax_compilation_cache_dir', directory)
+  return directory
+
+
 def train(config: config_lib.Config, devices=None) -> dict:
   """Trains (or resumes) per `config`; returns the final summary.
 
@@ -397,6 +415,9 @@ def train(config: config_lib.Config, devices=None) -> dict:
   and tokens/s are the last ones metrics.jsonl recorded. A run that trained
   ends with `summary['sample']`, a greedy continuation of train.sample_prompt
   (None when train.sample_tokens=0 or the data has no tokenizer).
+  `summary['compile_s']` is how long the step took to lower and compile
+  (None if it did not); jax's persistent cache in
+  train.compilation_cache_dir (`use_compilation_cache`) shortens a rerun's.
   """
   t = config.train
   lead = jax.process_index() == 0
@@ -404,15 +425,23 @@ def train(config: config_lib.Config, devices=None) -> dict:
   # Made first: a missing tensorboardX fails before any compilation.
   log = metrics_lib.MetricsLog(t.run_dir, write=lead,
                                tensorboard=t.tensorboard)
+  cache = use_compilation_cache(t.compilation_cache_dir)
   setup = build(config, devices)
   done = checkpoints_lib.latest_step_on_disk(t.run_dir)
-  mem = None
+  mem, compile_s = None, None
   if done is None or done < t.steps:  # a finished run compiles nothing
     # Compiled ahead of time (the jitted step reuses this compilation): the
     # memory it needs is known before any allocation, and a run that cannot
     # fit stops here with its options.
-    mem = memory.breakdown(setup, memory.compile_train_step(setup))
+    start = time.perf_counter()
+    compiled = memory.compile_train_step(setup)
+    compile_s = time.perf_counter() - start
+    mem = memory.breakdown(setup, compiled)
     if lead:
+      print(f'train step lowered and compiled in {compile_s:.1f} s ('
+            + (f'compilation cache: {cache}' if cache else
+               'no compilation cache: set train.compilation_cache_dir')
+            + ')', flush=True)
       print(mem.format(), flush=True)
     memory.check_fits(mem, config)
   data = data_config(config)
@@ -503,7 +532,8 @@ def train(config: config_lib.Config, devices=None) -> dict:
       step=int(state['step']), nonfinite_steps=int(state['nonfinite']),
       train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
       peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir),
-      memory=dataclasses.asdict(mem) if mem else None)
+      memory=dataclasses.asdict(mem) if mem else None, compile_s=compile_s,
+      compilation_cache_dir=cache)
   if summary['complete']:
     summary.update(_last_recorded(t.run_dir))
   return summary

@@ -345,6 +345,50 @@ def test_default_run_from_the_command_line(tmp_path):
   assert "train.batch_size='abc': expected a value of type int" in bad.stderr
 
 
+def test_rerun_loads_the_compiled_step_from_the_cache(tmp_path):
+  """train.compilation_cache_dir: the first run writes the compiled step
+  there; the same command with a new run dir compiles nothing new (every
+  compile is a cache hit) and trains the same losses."""
+  cache = tmp_path / 'cache'
+  env = {k: v for k, v in os.environ.items()
+         if k != 'JAX_COMPILATION_CACHE_DIR'}  # conftest's would win
+  outputs = []
+  for run in ('first', 'second'):
+    out = subprocess.run(
+        [sys.executable, 'train.py', '--set', 'train.steps=2',
+         'train.log_every=1', 'train.eval_every=100', 'data.seq_len=32',
+         'train.sample_tokens=0', 'train.progress_bar=false',
+         f'train.run_dir={tmp_path / run}',
+         f'train.compilation_cache_dir={cache}'],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f'(compilation cache: {cache})' in out.stdout
+    outputs.append(sorted(os.listdir(cache)))
+  assert any(f.startswith('jit_train_step-') for f in outputs[0])
+  assert outputs[1] == outputs[0]
+  assert _losses(tmp_path / 'second') == _losses(tmp_path / 'first')
+
+
+def test_compilation_cache_dir_defers_to_jax(tmp_path, monkeypatch):
+  """A directory jax already has (here conftest's
+  JAX_COMPILATION_CACHE_DIR) wins over train.compilation_cache_dir; ''
+  leaves jax's setting; '~' is expanded."""
+  before = jax.config.jax_compilation_cache_dir
+  assert before
+  assert trainer.use_compilation_cache(str(tmp_path)) == before
+  assert trainer.use_compilation_cache('') == before
+  monkeypatch.setenv('HOME', str(tmp_path))
+  try:
+    jax.config.update('jax_compilation_cache_dir', None)
+    assert trainer.use_compilation_cache('') is None
+    assert jax.config.jax_compilation_cache_dir is None
+    want = str(tmp_path / 'xla')
+    assert trainer.use_compilation_cache('~/xla') == want
+    assert jax.config.jax_compilation_cache_dir == want
+  finally:
+    jax.config.update('jax_compilation_cache_dir', before)
+
+
 def _poison_call(n):
   """A `build` whose n-th train step sees an out-of-vocabulary token: the
   embedding lookup fills it with NaN, so loss and gradients are NaN."""
