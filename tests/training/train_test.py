@@ -352,6 +352,8 @@ def test_rerun_loads_the_compiled_step_from_the_cache(tmp_path):
   cache = tmp_path / 'cache'
   env = {k: v for k, v in os.environ.items()
          if k != 'JAX_COMPILATION_CACHE_DIR'}  # conftest's would win
+  # Every compile is cached, however fast: none may straddle jax's 1 s.
+  env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
   outputs = []
   for run in ('first', 'second'):
     out = subprocess.run(
