@@ -532,8 +532,7 @@ def train(config: config_lib.Config, devices=None) -> dict:
       step=int(state['step']), nonfinite_steps=int(state['nonfinite']),
       train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
       peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir),
-      memory=dataclasses.asdict(mem) if mem else None, compile_s=compile_s,
-      compilation_cache_dir=cache)
+      memory=dataclasses.asdict(mem) if mem else None, compile_s=compile_s)
   if summary['complete']:
     summary.update(_last_recorded(t.run_dir))
   return summary

@@ -171,6 +171,8 @@ def test_rerunning_a_finished_run_reports_it(finished):
   assert 'nan' not in again and 'done:' not in again
   assert 'memory per device' in first
   assert 'memory per device' not in again  # nothing compiled
+  assert 'train step lowered and compiled in' in first
+  assert 'lowered and compiled' not in again
   assert f'the run in {os.path.abspath(run_dir)} is complete' in again
   assert 'step 3, train.steps=3' in again
   assert f"train loss {last['loss'][1]:.4f} (step 3)" in again

@@ -41,6 +41,7 @@ def test_three_steps_in_each_precision(tiny_config, precision):
   assert len(losses) == 3 and all(np.isfinite(losses))
   assert losses[-1] < losses[0]
   assert summary['step'] == 3 and summary['nonfinite_steps'] == 0
+  assert summary['compile_s'] > 0
 
 
 def test_block_scaling_reaches_the_model_and_trains(tiny_config,
