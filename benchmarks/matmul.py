@@ -729,7 +729,8 @@ def block_ref_rows(a, b, sa, sb, granularity, rows):
 def block_alternatives(granularity):
   """(label, config) the block kernel can run for this granularity, timed
   beside select_config's choice with --block-configs."""
-  out = [('192x128 3wg', mosaic_gpu.THREE_WG_CONFIG),
+  out = [('192x128 3wg', mosaic_gpu_block.BLOCK_THREE_WG_CONFIG),
+         ('192x128 3wg early release', mosaic_gpu.THREE_WG_CONFIG),
          ('128x128 2wg', mosaic_gpu.DEFAULT_CONFIG)]
   if granularity == 'block':
     return out

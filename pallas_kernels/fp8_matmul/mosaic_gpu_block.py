@@ -12,8 +12,9 @@ weights of the forward and dgrad GEMMs), or per row of b per 128 of K,
 operands are both tiled along tokens). DeepSeek-V3's granularity.
 
 The kernel is `mosaic_gpu`'s (persistent, warp specialized, TMA, wgmma,
-FP32 promotion every 128 of K; overlapped tiles with THREE_WG_CONFIG) with
-the scales applied where each 128-K wgmma partial is promoted:
+FP32 promotion every 128 of K; overlapped tiles with THREE_WG_CONFIG, whose
+stages `select_config` releases at the step's end: BLOCK_THREE_WG_CONFIG)
+with the scales applied where each 128-K wgmma partial is promoted:
 total += part * a_s[:, None] * b_s, with
 - a_s: the warpgroup's rows of a_scale for that K block, pipelined by TMA
   beside the A and B tiles from a copy laid out (K // 128, M) in the wrapper
@@ -105,17 +106,36 @@ ROW_THREE_WG_CONFIG = Config(block_m=192, block_n=96, block_k=128,
 # (~6% on the H200 at the 1b model's 16384 x 2048 outputs, where the
 # per-tensor kernel's 3% picks 128x128 tiles: benchmarks/RESULTS.md,
 # "fp8-gemm-block").
+# With 'block' scales three warpgroups release a stage once its step is
+# done, on one barrier: early release (THREE_WG_CONFIG) gives each of a
+# stage's four inputs a barrier, and the memory warpgroup's waits and the
+# compute warpgroups' arrives on the scales' two take issue slots from the
+# promotion (H200, 8192^3: 352 M instructions against the per-tensor
+# kernel's 286 M; paired geomean 0.940 -> 0.950; NOTES.md, block scales,
+# run 10). Below EARLY_RELEASE_BELOW_WAVES waves of tiles early release is
+# faster (the 1b qkv wgrad, 1.7 waves: 0.95x the per-tensor kernel against
+# 0.84x; only with overlapped tiles; not understood): select_config keeps it.
+BLOCK_THREE_WG_CONFIG = dataclasses.replace(mosaic_gpu.THREE_WG_CONFIG,
+                                            early_release=False)
+EARLY_RELEASE_BELOW_WAVES = 2
 BLOCK_CANDIDATES = ((mosaic_gpu.DEFAULT_CONFIG, 1.0),
-                    (mosaic_gpu.THREE_WG_CONFIG, 1.06))
+                    (BLOCK_THREE_WG_CONFIG, 1.06))
 CANDIDATES = {'block': BLOCK_CANDIDATES, 'row': mosaic_gpu.CANDIDATES}
 
 
 def select_config(m: int, n: int, num_ctas: int | None = None, *,
                   b_granularity: str = 'block') -> Config:
   """The config of highest speed x wave efficiency among
-  CANDIDATES[b_granularity] for an (m, n) output."""
-  return mosaic_gpu.select_config(m, n, num_ctas,
-                                  candidates=CANDIDATES[b_granularity])
+  CANDIDATES[b_granularity] for an (m, n) output; three-warpgroup tiles
+  that make fewer than EARLY_RELEASE_BELOW_WAVES waves release early."""
+  num_ctas = num_ctas or mosaic_gpu._num_sms()  # pylint: disable=protected-access
+  cfg = mosaic_gpu.select_config(m, n, num_ctas,
+                                 candidates=CANDIDATES[b_granularity])
+  tiles = pl.cdiv(m, cfg.block_m) * pl.cdiv(n, cfg.block_n)
+  if (cfg == BLOCK_THREE_WG_CONFIG
+      and tiles < EARLY_RELEASE_BELOW_WAVES * num_ctas):
+    return mosaic_gpu.THREE_WG_CONFIG
+  return cfg
 
 
 def plan_smem(cfg: Config, out_dtype, scale_bytes: int):

@@ -27,8 +27,11 @@ E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
 PAIR_IDS = ['e4m3_e4m3', 'e5m2_e4m3', 'e4m3_e5m2']
-CONFIGS = [mosaic_gpu.THREE_WG_CONFIG, mosaic_gpu.DEFAULT_CONFIG]
-CONFIG_IDS = ['three_wg', 'default']
+# select_config's three-warpgroup tiles (released at the step's end, or
+# early below two waves of tiles) and two-warpgroup ones.
+CONFIGS = [mosaic_gpu_block.BLOCK_THREE_WG_CONFIG, mosaic_gpu.THREE_WG_CONFIG,
+           mosaic_gpu.DEFAULT_CONFIG]
+CONFIG_IDS = ['three_wg', 'three_wg_early', 'default']
 GRANULARITIES = ['block', 'row']
 needs_hopper = pytest.mark.skipif(
     not api.pallas_available(), reason='needs a Hopper GPU with Mosaic GPU')
@@ -226,7 +229,8 @@ def test_block_scales_prefer_three_warpgroups_at_the_1b_outputs():
   the per-tensor one keeps 128 x 128; few tiles (o wgrad, 2048 x 2048: 1.3
   waves of 192-row tiles) still go to 128 x 128. 'row' scales keep the
   per-tensor weights."""
-  three, default = mosaic_gpu.THREE_WG_CONFIG, mosaic_gpu.DEFAULT_CONFIG
+  three = mosaic_gpu_block.BLOCK_THREE_WG_CONFIG
+  default = mosaic_gpu.DEFAULT_CONFIG
   block = lambda m, n, g='block': mosaic_gpu_block.select_config(
       m, n, 132, b_granularity=g)
   for m, n in [(16384, 2048), (16384, 2560), (16384, 5632), (8192, 8192)]:
@@ -235,6 +239,22 @@ def test_block_scales_prefer_three_warpgroups_at_the_1b_outputs():
     assert block(m, n) == default, (m, n)
   assert mosaic_gpu.select_config(16384, 2048, num_ctas=132) == default
   assert block(16384, 2048, 'row') == default
+
+
+def test_three_warpgroup_block_tiles_release_early_only_below_two_waves():
+  """192 x 128 tiles with 'block' scales release their stages at the
+  step's end (one barrier a stage) from two waves of tiles on, early (a
+  barrier per input) below: the 1b qkv wgrad, 2560 x 2048, is 224 tiles,
+  1.7 waves of 132."""
+  block = lambda m, n, ctas=132: mosaic_gpu_block.select_config(
+      m, n, ctas, b_granularity='block')
+  early = mosaic_gpu.THREE_WG_CONFIG
+  assert early.early_release
+  assert not mosaic_gpu_block.BLOCK_THREE_WG_CONFIG.early_release
+  assert block(2560, 2048) == early
+  assert block(5632, 2048) == mosaic_gpu_block.BLOCK_THREE_WG_CONFIG
+  assert dataclasses.replace(block(2560, 2048), early_release=False) == (
+      block(5632, 2048))
 
 
 def test_float32_outputs_of_three_warpgroups_buffer_the_whole_tile():
