@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     config = training.apply_overrides(training.load_config(args.config),
                                       args.set)
     # Before anything compiles: --estimate and --find-max-batch use it too.
-    training.use_compilation_cache(config.train.compilation_cache_dir)
+    training.use_compilation_cache(config.train.compilation_cache_dir,
+                                   config.train.compilation_cache_max_gib)
     print(f'{MEM_FRACTION_ENV}={os.environ[MEM_FRACTION_ENV]} ('
           + ('yours' if fraction_given else "train.py's default; set it to"
              ' change') + '): the share of each GPU that XLA may use.',

@@ -1,5 +1,6 @@
 """Training: typed configs, data, sharding rules, checkpoints and the loop."""
 
+from coat_jax.training.compilation_cache import use_compilation_cache
 from coat_jax.training.config import Config
 from coat_jax.training.config import DataConfig
 from coat_jax.training.config import MeshConfig
@@ -12,7 +13,6 @@ from coat_jax.training.config import validate
 from coat_jax.training.trainer import NonFiniteError
 from coat_jax.training.trainer import build
 from coat_jax.training.trainer import train
-from coat_jax.training.trainer import use_compilation_cache
 
 __all__ = [
     'Config', 'DataConfig', 'MeshConfig', 'ModelConfig', 'NonFiniteError',

@@ -125,8 +125,10 @@ class TrainConfig:
   # jax's persistent compilation cache: a rerun of the same step (a resumed
   # run, the same config again) loads XLA's executable instead of compiling
   # it. '' leaves it off; a directory jax already has
-  # (JAX_COMPILATION_CACHE_DIR) wins.
+  # (JAX_COMPILATION_CACHE_DIR) wins. Past compilation_cache_max_gib the
+  # least recently used entries are deleted (0: no bound).
   compilation_cache_dir: str = '~/.cache/coat_jax/compilation'
+  compilation_cache_max_gib: float = 10.0
 
 
 @dataclasses.dataclass
@@ -270,6 +272,9 @@ def validate(config: Config, num_devices: int) -> None:
   if t.sample_tokens and not t.sample_prompt:
     raise ValueError('train.sample_prompt is empty: give some text to'
                      ' continue, or set train.sample_tokens=0.')
+  if t.compilation_cache_max_gib < 0:
+    raise ValueError('train.compilation_cache_max_gib must be >= 0 (0: no'
+                     ' bound).')
   if t.checkpoint_every < 0:
     raise ValueError('train.checkpoint_every must be >= 0 (0: only on'
                      ' Ctrl-C).')

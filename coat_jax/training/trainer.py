@@ -22,6 +22,7 @@ from coat_jax.models import llama
 from coat_jax.models import remat as remat_lib
 from coat_jax.models import sampling
 from coat_jax.training import checkpoints as checkpoints_lib
+from coat_jax.training import compilation_cache
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
 from coat_jax.training import memory
@@ -386,24 +387,6 @@ def restore_state(setup: Setup, checkpointer: Checkpointer, step: int):
   return checkpointer.restore(step, template)
 
 
-def use_compilation_cache(directory: str) -> str | None:
-  """Points jax's persistent compilation cache at `directory` (`~`
-  expanded) unless jax already has one (JAX_COMPILATION_CACHE_DIR or
-  jax.config); '' leaves jax's setting as it is. Returns the directory jax
-  caches in, or None.
-
-  A rerun of a step (same program, compiler options and devices) then loads
-  XLA's executable instead of compiling it; lowering, Mosaic GPU kernels
-  included, still runs. Takes effect for compiles that follow.
-  """
-  current = jax.config.jax_compilation_cache_dir
-  if current or not directory:
-    return current or None
-  directory = os.path.expanduser(directory)
-  jax.config.update('jax_compilation_cache_dir', directory)
-  return directory
-
-
 def train(config: config_lib.Config, devices=None) -> dict:
   """Trains (or resumes) per `config`; returns the final summary.
 
@@ -417,7 +400,8 @@ def train(config: config_lib.Config, devices=None) -> dict:
   (None when train.sample_tokens=0 or the data has no tokenizer).
   `summary['compile_s']` is how long the step took to lower and compile
   (None if it did not); jax's persistent cache in
-  train.compilation_cache_dir (`use_compilation_cache`) shortens a rerun's.
+  train.compilation_cache_dir (`compilation_cache.use_compilation_cache`)
+  shortens a rerun's.
   """
   t = config.train
   lead = jax.process_index() == 0
@@ -425,7 +409,8 @@ def train(config: config_lib.Config, devices=None) -> dict:
   # Made first: a missing tensorboardX fails before any compilation.
   log = metrics_lib.MetricsLog(t.run_dir, write=lead,
                                tensorboard=t.tensorboard)
-  cache = use_compilation_cache(t.compilation_cache_dir)
+  cache = compilation_cache.use_compilation_cache(
+      t.compilation_cache_dir, t.compilation_cache_max_gib)
   setup = build(config, devices)
   done = checkpoints_lib.latest_step_on_disk(t.run_dir)
   mem, compile_s = None, None

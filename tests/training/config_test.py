@@ -61,6 +61,8 @@ def test_bad_overrides(override, message):
     ('train.microbatches=3', 1, 'multiple of train.microbatches'),
     ('data.source=text', 1, 'needs data.paths'),
     ('train.steps=0', 1, 'train.steps must be positive'),
+    ('train.compilation_cache_max_gib=-1', 1,
+     r'train.compilation_cache_max_gib must be >= 0 \(0: no bound\)'),
     ('optim.fused=true optim.name=adamw', 1, 'optim.fused=true needs'),
 ])
 def test_bad_configs(override, devices, message):

@@ -372,26 +372,6 @@ def test_rerun_loads_the_compiled_step_from_the_cache(tmp_path):
   assert _losses(tmp_path / 'second') == _losses(tmp_path / 'first')
 
 
-def test_compilation_cache_dir_defers_to_jax(tmp_path, monkeypatch):
-  """A directory jax already has (here conftest's
-  JAX_COMPILATION_CACHE_DIR) wins over train.compilation_cache_dir; ''
-  leaves jax's setting; '~' is expanded."""
-  before = jax.config.jax_compilation_cache_dir
-  assert before
-  assert trainer.use_compilation_cache(str(tmp_path)) == before
-  assert trainer.use_compilation_cache('') == before
-  monkeypatch.setenv('HOME', str(tmp_path))
-  try:
-    jax.config.update('jax_compilation_cache_dir', None)
-    assert trainer.use_compilation_cache('') is None
-    assert jax.config.jax_compilation_cache_dir is None
-    want = str(tmp_path / 'xla')
-    assert trainer.use_compilation_cache('~/xla') == want
-    assert jax.config.jax_compilation_cache_dir == want
-  finally:
-    jax.config.update('jax_compilation_cache_dir', before)
-
-
 def _poison_call(n):
   """A `build` whose n-th train step sees an out-of-vocabulary token: the
   embedding lookup fills it with NaN, so loss and gradients are NaN."""
