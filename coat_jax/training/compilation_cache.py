@@ -16,10 +16,11 @@ import os
 import filelock
 import jax
 
+from coat_jax.training.memory import GIB
+
 _ENTRY_SUFFIX = '-cache'
 _ACCESS_TIME_SUFFIX = '-atime'
 _LOCK_FILE = '.lockfile'
-GIB = 1 << 30
 
 
 def use_compilation_cache(directory: str, max_gib: float = 0.0) -> str | None:

@@ -74,7 +74,8 @@ _COMPILE_SIX = textwrap.dedent("""
         sys.argv[3])
     assert compilation_cache.use_compilation_cache(directory, max_gib)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-    warnings.simplefilter('error')  # a failed cache write fails the run
+    warnings.filterwarnings(  # a failed cache write fails the run
+        'error', message='Error writing persistent compilation cache')
     x = np.ones(7, np.float32)  # no program of its own
     for i in range(offset, offset + 6):
       jax.jit(lambda x, i=i: jnp.sin(x) * i + 1)(x).block_until_ready()
