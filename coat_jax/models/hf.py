@@ -1,13 +1,16 @@
-"""Hugging Face Llama checkpoints (config.json + safetensors) <-> `Llama`.
+"""Hugging Face checkpoints (config.json + safetensors) <-> `Decoder`.
 
-HF `nn.Linear` weights are (out, in); coat_jax kernels are (in, out), and
-the decoder layers are stacked along a leading num_layers axis. HF Llama's
-q/k weights are laid out for `rotate_half` (split halves), which is what
-`llama.apply_rope` does, so no head permutation is needed. Reading needs
-only `safetensors` and numpy (BF16 through ml_dtypes), never torch.
+config.json's `model_type` picks the family (`coat_jax.models.families`),
+which translates the config and names the layer norms; the rest of the name
+map is shared. HF `nn.Linear` weights are (out, in); coat_jax kernels are
+(in, out), and the decoder layers are stacked along a leading num_layers
+axis. HF's q/k weights are laid out for `rotate_half` (split halves), which
+is what `decoder.apply_rope` does, so no head permutation is needed.
+Reading needs only `safetensors` and numpy (BF16 through ml_dtypes), never
+torch.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 import contextlib
 import glob
 import json
@@ -21,39 +24,22 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401 (registers numpy's 'bfloat16' for safetensors)
 import numpy as np
 
-from coat_jax.models import llama
+from coat_jax import recipes
+from coat_jax.models import decoder
+from coat_jax.models import families
 
 CONFIG_FILE = 'config.json'
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 
-# coat_jax param path -> (HF tensor name, transposed). '{i}': the layer.
+# coat_jax param path -> (HF tensor name, transposed), outside the layers.
 _TOP = {
     ('embed',): ('model.embed_tokens.weight', False),
     ('norm', 'scale'): ('model.norm.weight', False),
     ('lm_head',): ('lm_head.weight', True),
 }
-_LAYER = {
-    ('attn_norm', 'scale'): ('input_layernorm.weight', False),
-    ('attn', 'q_proj', 'kernel'): ('self_attn.q_proj.weight', True),
-    ('attn', 'k_proj', 'kernel'): ('self_attn.k_proj.weight', True),
-    ('attn', 'v_proj', 'kernel'): ('self_attn.v_proj.weight', True),
-    ('attn', 'o_proj', 'kernel'): ('self_attn.o_proj.weight', True),
-    ('mlp_norm', 'scale'): ('post_attention_layernorm.weight', False),
-    ('mlp', 'gate_proj', 'kernel'): ('mlp.gate_proj.weight', True),
-    ('mlp', 'up_proj', 'kernel'): ('mlp.up_proj.weight', True),
-    ('mlp', 'down_proj', 'kernel'): ('mlp.down_proj.weight', True),
-}
-
-# LlamaConfig fields the checkpoint decides (its weights' shapes), by the
-# config.json key they come from.
-_FROM_CHECKPOINT = {
-    'vocab_size': 'vocab_size', 'hidden_size': 'hidden_size',
-    'intermediate_size': 'intermediate_size',
-    'num_layers': 'num_hidden_layers', 'num_heads': 'num_attention_heads',
-    'num_kv_heads': 'num_key_value_heads',
-    'tie_embeddings': 'tie_word_embeddings',
-}
+# A decoder layer's modules with projections -> their HF prefix.
+_BLOCKS = {'attn': 'self_attn', 'mlp': 'mlp'}
 
 
 def _safetensors():
@@ -78,106 +64,31 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return json.load(f)
 
 
-def _rope(hf: dict) -> tuple[float, llama.RopeScaling | None]:
-  """(rope_theta, scaling) from transformers 4 (rope_theta, rope_scaling) or
-  5 (rope_parameters) configs."""
-  params = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
-  field = 'rope_parameters' if hf.get('rope_parameters') else 'rope_scaling'
-  theta = float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
-  kind = params.get('rope_type', params.get('type'))
-  if kind in (None, 'default'):
-    return theta, None
-  if kind != 'llama3':
-    raise ValueError(
-        f'config.json: {field}.rope_type={kind!r} is not supported; only'
-        " None, 'default' and 'llama3' are.")
-  try:
-    return theta, llama.RopeScaling(
-        factor=float(params['factor']),
-        low_freq_factor=float(params['low_freq_factor']),
-        high_freq_factor=float(params['high_freq_factor']),
-        original_max_position_embeddings=int(
-            params['original_max_position_embeddings']))
-  except KeyError as e:
-    raise ValueError(f'config.json: {field} of rope_type llama3 lacks'
-                     f' {e.args[0]!r}.') from None
-
-
-def llama_config_from_hf(hf: dict, overrides: dict | None = None, *,
-                         prefix: str = '') -> llama.LlamaConfig:
-  """The `LlamaConfig` of an HF Llama config.json dict.
+def config_from_hf(hf: dict, overrides: dict | None = None, *,
+                   prefix: str = '') -> decoder.DecoderConfig:
+  """The family config of an HF config.json dict (its `model_type` picks
+  the family).
 
   Args:
     hf: the parsed config.json.
-    overrides: LlamaConfig fields to set; those the weights decide
-      (`_FROM_CHECKPOINT`) must agree with the checkpoint.
+    overrides: config fields to set; those the weights decide
+      (`family.FROM_CHECKPOINT`) must agree with the checkpoint.
     prefix: prepended to override names in errors (e.g. 'model.').
 
   Raises:
-    ValueError: an unsupported architecture (naming the config.json field)
-      or an override that conflicts with the checkpoint.
+    ValueError: an unsupported model_type or option (naming the config.json
+      field and what is supported), or an override that conflicts with the
+      checkpoint.
   """
-  if hf.get('model_type') != 'llama':
-    raise ValueError(
-        f"config.json: model_type={hf.get('model_type')!r} is not supported;"
-        " only Llama ('llama': Llama 2, Llama 3) checkpoints load.")
-  for field in ('attention_bias', 'mlp_bias'):
-    if hf.get(field):
-      raise ValueError(f'config.json: {field}=true is not supported (the'
-                       ' coat_jax Llama has no biases).')
-  act = hf.get('hidden_act', 'silu')
-  if act != 'silu':
-    raise ValueError(f'config.json: hidden_act={act!r} is not supported;'
-                     " only 'silu' (SwiGLU) is.")
-  heads = hf['num_attention_heads']
-  head_dim = hf.get('head_dim')
-  if head_dim is not None and head_dim * heads != hf['hidden_size']:
-    raise ValueError(
-        f'config.json: head_dim={head_dim} is not hidden_size /'
-        f" num_attention_heads = {hf['hidden_size']} / {heads}; coat_jax"
-        ' needs head_dim * num_heads == hidden_size.')
-  theta, scaling = _rope(hf)
-  fields = dict(
-      vocab_size=hf['vocab_size'], hidden_size=hf['hidden_size'],
-      intermediate_size=hf['intermediate_size'],
-      num_layers=hf['num_hidden_layers'], num_heads=heads,
-      num_kv_heads=hf.get('num_key_value_heads') or heads,
-      max_seq_len=hf.get('max_position_embeddings', 4096),
-      rope_theta=theta, rope_scaling=scaling,
-      rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
-      tie_embeddings=bool(hf.get('tie_word_embeddings', False)))
-  for name, value in (overrides or {}).items():
-    if name in _FROM_CHECKPOINT and value != fields[name]:
-      raise ValueError(
-          f'{prefix}{name}={value!r} conflicts with the checkpoint'
-          f' (config.json {_FROM_CHECKPOINT[name]}={fields[name]!r}): its'
-          ' weights decide the model dimensions; drop the override.')
-    fields[name] = value
-  return llama.LlamaConfig(**fields)
+  return families.by_model_type(hf.get('model_type')).config_from_hf(
+      hf, overrides, prefix=prefix)
 
 
-def hf_config(config: llama.LlamaConfig, dtype: str = 'float32') -> dict:
-  """An HF LlamaConfig dict (transformers 4 and 5 read it) for `config`."""
-  scaling = None
-  if config.rope_scaling is not None:
-    s = config.rope_scaling
-    scaling = dict(rope_type='llama3', factor=s.factor,
-                   low_freq_factor=s.low_freq_factor,
-                   high_freq_factor=s.high_freq_factor,
-                   original_max_position_embeddings=(
-                       s.original_max_position_embeddings))
-  return dict(
-      architectures=['LlamaForCausalLM'], model_type='llama',
-      vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-      intermediate_size=config.intermediate_size,
-      num_hidden_layers=config.num_layers,
-      num_attention_heads=config.num_heads,
-      num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
-      max_position_embeddings=config.max_seq_len,
-      rope_theta=config.rope_theta, rope_scaling=scaling,
-      rms_norm_eps=config.rms_norm_eps,
-      tie_word_embeddings=config.tie_embeddings, hidden_act='silu',
-      attention_bias=False, mlp_bias=False, torch_dtype=dtype, dtype=dtype)
+def hf_config(config: decoder.DecoderConfig, dtype: str = 'float32') -> dict:
+  """The HF config.json dict of a family config (transformers 4 and 5 read
+  it)."""
+  return dict(**families.of_config(config).to_hf(config), torch_dtype=dtype,
+              dtype=dtype)
 
 
 class _Tensors:
@@ -250,21 +161,31 @@ def _unflat(flat: dict) -> dict:
   return tree
 
 
-def _hf_names(path: tuple[str, ...], num_layers: int):
+def _hf_names(path: tuple[str, ...], num_layers: int,
+              norm_names: Mapping[str, str]):
   """([HF names], transposed, stacked) of a coat_jax param path."""
   if path in _TOP:
     name, transposed = _TOP[path]
     return [name], transposed, False
-  if path[0] == 'layers' and path[1:] in _LAYER:
-    name, transposed = _LAYER[path[1:]]
-    return ([f'model.layers.{i}.{name}' for i in range(num_layers)],
-            transposed, True)
-  raise ValueError(f'no Hugging Face tensor for the param {path}.')
+  name = None
+  if path[0] == 'layers' and len(path) == 3 and path[1] in norm_names:
+    name, transposed = f'{norm_names[path[1]]}.weight', False
+  elif path[0] == 'layers' and len(path) == 4 and path[1] in _BLOCKS:
+    leaf = {'kernel': 'weight', 'scale': 'weight', 'bias': 'bias'}.get(
+        path[3])
+    if leaf is not None:
+      name = f'{_BLOCKS[path[1]]}.{path[2]}.{leaf}'
+      transposed = path[3] == 'kernel'
+  if name is None:
+    raise ValueError(f'no Hugging Face tensor for the param {path}.')
+  return ([f'model.layers.{i}.{name}' for i in range(num_layers)],
+          transposed, True)
 
 
 def load_hf_params(path: str | os.PathLike, abstract_params: dict,
-                   shardings: dict | None = None) -> dict:
-  """Reads a checkpoint's weights into a `Llama`'s param tree.
+                   shardings: dict | None = None, *,
+                   norm_names: Mapping[str, str] | None = None) -> dict:
+  """Reads a checkpoint's weights into a `Decoder`'s param tree.
 
   Each HF tensor goes through `jax.make_array_from_callback`: every device
   reads (and transposes, casts) only its own shard of it, and stacked layer
@@ -277,6 +198,8 @@ def load_hf_params(path: str | os.PathLike, abstract_params: dict,
       (arrays or ShapeDtypeStructs: shapes and dtypes to produce).
     shardings: the same tree of `jax.sharding.Sharding`s, or None (the
       default device).
+    norm_names: the family's layer norm names (`Family.norm_names`), or
+      None to read them from the checkpoint's config.json.
 
   Returns:
     The param tree, each leaf of its abstract dtype on its sharding.
@@ -286,19 +209,28 @@ def load_hf_params(path: str | os.PathLike, abstract_params: dict,
     ValueError: a tensor is missing or its shape does not match.
   """
   path = os.fspath(path)
+  if norm_names is None:
+    norm_names = families.by_model_type(
+        read_hf_config(path).get('model_type')).norm_names
   with _Tensors(path) as tensors:
-    return _read_params(path, tensors, abstract_params, shardings)
+    return _read_params(path, tensors, abstract_params, shardings,
+                        norm_names)
+
+
+def _num_layers(flat: dict) -> int:
+  return next(a.shape[0] for p, a in flat.items() if p[0] == 'layers')
 
 
 def _read_params(path: str, tensors: '_Tensors', abstract_params: dict,
-                 shardings: dict | None) -> dict:
+                 shardings: dict | None,
+                 norm_names: Mapping[str, str]) -> dict:
   flat = _flat(abstract_params)
   flat_shardings = (_flat(shardings) if shardings is not None else {})
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  num_layers = flat[('layers', 'attn_norm', 'scale')].shape[0]
+  num_layers = _num_layers(flat)
   out = {}
   for p, abstract in flat.items():
-    names, transposed, stacked = _hf_names(p, num_layers)
+    names, transposed, stacked = _hf_names(p, num_layers, norm_names)
     shape = tuple(abstract.shape[1:] if stacked else abstract.shape)
     want = shape[::-1] if transposed else shape
     for name in names:
@@ -357,17 +289,22 @@ def _shard_reader(tensors: _Tensors, name: str, transposed: bool,
   return read
 
 
-def load_hf(path: str | os.PathLike, precision: str = 'coat', *,
+def load_hf(path: str | os.PathLike,
+            recipe: recipes.Recipe | str | None = None, *,
             shardings: dict | None = None, dtype: Any = jnp.bfloat16,
             param_dtype: Any = jnp.float32,
             implementation: str | None = None,
-            **config_overrides: Any) -> llama.Llama:
-  """A `Llama` with the weights of an HF Llama checkpoint directory.
+            precision: str | None = None,
+            **config_overrides: Any) -> decoder.Decoder:
+  """A `Decoder` with the weights of an HF checkpoint directory of any
+  supported family (config.json's model_type: llama, mistral, qwen2,
+  qwen3, olmo2, gemma3_text).
 
   Args:
     path: directory with config.json and model.safetensors (or sharded
       model-*.safetensors with model.safetensors.index.json).
-    precision: 'bf16', 'fp8_linear' or 'coat'.
+    recipe: a `coat_jax.Recipe` or a preset name (default
+      `recipes.COAT`).
     shardings: a tree of Shardings shaped like
       `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (e.g. the params'
       part of `coat_jax.training.build(...).state_shardings`); None: the
@@ -375,22 +312,27 @@ def load_hf(path: str | os.PathLike, precision: str = 'coat', *,
     dtype: activation dtype (bfloat16; float32 for exact comparisons).
     param_dtype: parameter dtype (float32 master weights).
     implementation: `fp8_matmul` implementation.
-    **config_overrides: other LlamaConfig fields (max_seq_len,
-      scan_layers); the weights' dimensions cannot be changed.
+    precision: the older name of `recipe` (a preset name).
+    **config_overrides: other config fields (max_seq_len, scan_layers,
+      remat); the weights' dimensions cannot be changed.
 
   Returns:
     The model, params placed per `shardings`.
   """
-  config = llama_config_from_hf(read_hf_config(path), config_overrides)
+  hf = read_hf_config(path)
+  family = families.by_model_type(hf.get('model_type'))
+  config = family.config_from_hf(hf, config_overrides)
+  recipe = recipes.from_arguments(recipe, precision)
 
   def make():
     with nnx.use_eager_sharding(False):
-      return llama.Llama(config, precision=precision, dtype=dtype,
-                         param_dtype=param_dtype,
-                         implementation=implementation, rngs=nnx.Rngs(0))
+      return family.model(config, recipe=recipe, dtype=dtype,
+                          param_dtype=param_dtype,
+                          implementation=implementation, rngs=nnx.Rngs(0))
 
   graphdef, abstract, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
-  params = load_hf_params(path, nnx.to_pure_dict(abstract), shardings)
+  params = load_hf_params(path, nnx.to_pure_dict(abstract), shardings,
+                          norm_names=family.norm_names)
   nnx.replace_by_pure_dict(abstract, params)
   return nnx.merge(graphdef, abstract, rest)
 
@@ -402,13 +344,14 @@ def _host(x: jax.Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def save_hf(model: llama.Llama, path: str | os.PathLike, *,
+def save_hf(model: decoder.Decoder, path: str | os.PathLike, *,
             dtype: str = 'float32', max_shard_size: int = 5 * 2**30) -> None:
-  """Writes `model` as an HF Llama checkpoint that
+  """Writes `model` as an HF checkpoint of its family that
   `transformers.AutoModelForCausalLM.from_pretrained(path)` loads.
 
   Args:
-    model: a `Llama`.
+    model: a `Decoder` whose config is a family's (`LlamaConfig`,
+      `Qwen3Config`, ...).
     path: output directory (created; existing files of the same names are
       replaced).
     dtype: 'float32' or 'bfloat16' for the saved weights.
@@ -424,11 +367,14 @@ def save_hf(model: llama.Llama, path: str | os.PathLike, *,
     raise ValueError(f'max_shard_size={max_shard_size} must be positive.')
   np_dtype = np.dtype(dtype)
   config = model.config
+  family = families.of_config(config)
+  hf = hf_config(config, dtype)  # before writing: refuses what HF lacks
   params = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   # (HF name, param path, layer or None, HF shape), in the HF order.
   entries = []
   for p, x in params.items():
-    names, transposed, stacked = _hf_names(p, config.num_layers)
+    names, transposed, stacked = _hf_names(p, config.num_layers,
+                                           family.norm_names)
     shape = tuple(x.shape[1:] if stacked else x.shape)
     shape = shape[::-1] if transposed else shape
     for i, name in enumerate(names):
@@ -473,4 +419,4 @@ def save_hf(model: llama.Llama, path: str | os.PathLike, *,
       json.dump({'metadata': {'total_size': total},
                  'weight_map': weight_map}, f, indent=2)
   with open(os.path.join(path, CONFIG_FILE), 'w') as f:
-    json.dump(hf_config(config, dtype), f, indent=2)
+    json.dump(hf, f, indent=2)

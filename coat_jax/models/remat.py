@@ -52,15 +52,16 @@ from jax.ad_checkpoint import Offloadable
 from jax.ad_checkpoint import Recompute
 from jax.ad_checkpoint import checkpoint_name
 
+from coat_jax import recipes
 from coat_jax.nn.mlp import GATE_UP
 from coat_jax.nn.residuals import FP8_RESIDUAL
 from coat_jax.nn.residuals import FP8_WEIGHT
 
 POLICIES = ('none', 'minimal', 'minimal_offloaded', 'full')
-AUTO = 'auto'  # a policy per precision and layout: `resolve`
+AUTO = 'auto'  # a policy per recipe and layout: `resolve`
 DEFAULT = AUTO
 
-# checkpoint_name tags of llama.py's values that 'minimal' keeps.
+# checkpoint_name tags of the decoder's values that 'minimal' keeps.
 QKV_PROJ = 'qkv_proj'
 ATTENTION = 'attention'
 OUT_PROJ = 'out_proj'
@@ -80,18 +81,18 @@ def check_policy(policy: str, setting: str = 'remat') -> None:
         " coat_jax.models.remat) or 'auto' (the default).")
 
 
-def resolve(policy: str, precision: str, scan_layers: bool) -> str:
-  """The policy that `policy` names for a layer stack of `precision`
-  ('bf16', 'fp8_linear', 'coat'), scanned or unrolled: 'auto' becomes
-  'full' for scanned layers, 'none' for unrolled 'coat' layers and
-  'minimal' for the other unrolled ones (see the module doc); the others
-  stay as they are."""
+def resolve(policy: str, recipe: recipes.Recipe | str,
+            scan_layers: bool) -> str:
+  """The policy that `policy` names for a layer stack of `recipe`, scanned
+  or unrolled: 'auto' becomes 'full' for scanned layers, 'none' for
+  unrolled layers with FP8 activations (COAT) and 'minimal' for the other
+  unrolled ones (see the module doc); the others stay as they are."""
   check_policy(policy)
   if policy != AUTO:
     return policy
   if scan_layers:
     return 'full'
-  return 'none' if precision == 'coat' else 'minimal'
+  return 'none' if recipes.get(recipe).fp8_activations else 'minimal'
 
 
 def _minimal(prim, *_, **params) -> bool:
@@ -124,8 +125,8 @@ def jax_policy(policy: str, *, in_scan: bool = False
   first)."""
   check_policy(policy)
   if policy == AUTO:
-    raise ValueError("remat='auto' stands for a policy per precision and"
-                     ' layout: pass resolve(policy, precision, scan_layers).')
+    raise ValueError("remat='auto' stands for a policy per recipe and"
+                     ' layout: pass resolve(policy, recipe, scan_layers).')
   if policy == 'none':
     return None
   if policy == 'full':

@@ -1,4 +1,4 @@
-"""Text generation from a Llama: greedy or temperature sampling.
+"""Text generation from a decoder: greedy or temperature sampling.
 
 No KV cache: each new token runs the model over a fixed buffer of
 len(prompt) + max_new_tokens ids (zeros after the last written token), so
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coat_jax.models.llama import Llama
+from coat_jax.models.decoder import Decoder
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'start', 'greedy',
@@ -40,13 +40,13 @@ def _fill(graphdef, params, buffer, key, temperature, *, start: int,
                            (buffer, params))[0]
 
 
-def generate(model: Llama, prompt: list[int],
+def generate(model: Decoder, prompt: list[int],
              max_new_tokens: int, *, temperature: float = 0.0, seed: int = 0,
              vocab_limit: int | None = None) -> list[int]:
   """Continues `prompt` by `max_new_tokens` token ids.
 
   Args:
-    model: a Llama (the trainer's is `nnx.merge(graphdef, params)`).
+    model: a Decoder (the trainer's is `nnx.merge(graphdef, params)`).
     prompt: the token ids to continue, at least one.
     max_new_tokens: how many ids to generate (>= 0).
     temperature: 0 picks the most likely id (greedy, deterministic);

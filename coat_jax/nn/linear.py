@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coat_jax import recipes
 from coat_jax.nn import fsdp
 from coat_jax.nn import partitioning
-from coat_jax.nn import precision as precision_lib
 from coat_jax.nn.fp8_matmul import fp8_matmul
 from coat_jax.nn.residuals import FP8_WEIGHT
 from coat_jax.nn.residuals import after_grads
@@ -69,23 +69,26 @@ default_bias_init = nnx.initializers.zeros_init()
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
 def _fp8_dense_2d(x, kernels, x_amax, kernel_dtypes, implementation,
-                  gather_axes, reuse_input, fused, grad_amax_slot):
+                  gather_axes, reuse_input, fused, grad_amax_slot,
+                  grad_dtype):
   """(M, K) x tuple of (K, N_i) -> tuple of (M, N_i); M % 16 == 0.
   x_amax: max |x| (float32 scalar) or None to compute it. kernel_dtypes:
   the kernels' dtypes (their gradients'), as backward keeps their FP8 codes
   only. fused: the kernels are one (K, sum N_i) projection (`fp8_dense`).
   grad_amax_slot (one kernel): a float32 zero follows the output; its
   cotangent is taken as max |g| of the output's gradient
-  (`coat_jax.nn.norm`)."""
+  (`coat_jax.nn.norm`). grad_dtype: the output gradients' FP8 format."""
   return _fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes,
                            implementation, gather_axes, reuse_input, fused,
-                           grad_amax_slot)[0]
+                           grad_amax_slot, grad_dtype)[0]
 
 
 def _fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
-                      gather_axes, reuse_input, fused, grad_amax_slot):
+                      gather_axes, reuse_input, fused, grad_amax_slot,
+                      grad_dtype):
+  del grad_dtype  # backward's
   outs, residuals = fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes,
                                      implementation, gather_axes,
                                      reuse_input, fused)
@@ -95,13 +98,15 @@ def _fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
 
 
 def _fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
-                      reuse_input, fused, grad_amax_slot, residuals, grads):
+                      reuse_input, fused, grad_amax_slot, grad_dtype,
+                      residuals, grads):
   grad_amaxes = None
   if grad_amax_slot:
     *grads, g_amax = grads
     grads, grad_amaxes = tuple(grads), (g_amax,)
   return fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
-                          reuse_input, fused, residuals, grads, grad_amaxes)
+                          reuse_input, fused, residuals, grads, grad_amaxes,
+                          grad_dtype)
 
 
 def _gathered(values, gather_axes, i, transposed=False):
@@ -221,11 +226,12 @@ def fp8_dense_2d_fwd(x, kernels, x_amax, kernel_dtypes, implementation,
 
 
 def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
-                     reuse_input, fused, residuals, grads, grad_amaxes=None):
+                     reuse_input, fused, residuals, grads, grad_amaxes=None,
+                     grad_dtype='e5m2'):
   """The backward rule of `fp8_dense` on rows: (dx, dkernels, None).
   grad_amaxes: max |g| of each output gradient if their producer computed
   them (a Pallas kernel, which XLA cannot fuse the reduction into), else
-  None."""
+  None. grad_dtype: the FP8 format the output gradients are quantized to."""
   if grad_amaxes is None and not xla_quantizes():
     # Before the barrier, so that XLA can fuse each into the fusion that
     # produces g (the residual stream's gradients: RMSNorm backward and
@@ -247,12 +253,12 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   if fused:
     # One (M, sum N_i) gradient with one scale, as the forward's weight,
     # each part quantized into its columns (no concatenation written).
-    quantized = [_quantize_parts(grads, 'e5m2', grad_amaxes)]
+    quantized = [_quantize_parts(grads, grad_dtype, grad_amaxes)]
     w_values, w_scales = [jnp.concatenate(w_values, axis=1)], w_scales[:1]
     kernel_dtypes = kernel_dtypes[:1]  # one dtype (`fp8_dense` checks)
   else:
     quantized = [_quantize_with_transpose(
-        g, 'e5m2', None if grad_amaxes is None else grad_amaxes[i])
+        g, grad_dtype, None if grad_amaxes is None else grad_amaxes[i])
                  for i, g in enumerate(grads)]
   dx = None
   dkernels = []
@@ -288,9 +294,10 @@ _fp8_dense_2d.defvjp(_fp8_dense_2d_fwd, _fp8_dense_2d_bwd)
 BLOCK_TOKENS = block_quant.TILE
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
 def _fp8_dense_block_2d(x, kernels, addend, kernel_dtypes, implementation,
-                        gather_axes, reuse_input, fused, has_addend):
+                        gather_axes, reuse_input, fused, has_addend,
+                        grad_dtype):
   """Block-scaled `_fp8_dense_2d`: (M, K) x (K, N_i) -> (M, N_i), any M.
 
   The tokens are zero-padded to a multiple of 128 inside (zero rows add
@@ -298,10 +305,11 @@ def _fp8_dense_block_2d(x, kernels, addend, kernel_dtypes, implementation,
   kernels run as one (K, sum N_i) projection (`block_fusable`). addend:
   None, or (M, N_0) in x.dtype added to the one kernel's output in its
   GEMM's epilogue (`fp8_dense`'s residual); has_addend: addend is not None.
+  grad_dtype: the output gradients' FP8 format.
   """
   return _fp8_dense_block_fwd(x, kernels, addend, kernel_dtypes,
                               implementation, gather_axes, reuse_input,
-                              fused, has_addend)[0]
+                              fused, has_addend, grad_dtype)[0]
 
 
 def _pad_tokens(a):
@@ -356,8 +364,9 @@ def _gemm_blocks(weights, gather_axes, fused):
 
 
 def _fp8_dense_block_fwd(x, kernels, addend, kernel_dtypes, implementation,
-                         gather_axes, reuse_input, fused, has_addend):
-  del has_addend  # addend itself is None or not
+                         gather_axes, reuse_input, fused, has_addend,
+                         grad_dtype):
+  del has_addend, grad_dtype  # addend itself is None or not; backward's
   rows = x.shape[0]
   if reuse_input:  # backward quantizes x^T again, to the same codes
     x_values, x_scales, _, _ = block_quant.quantize_blockwise(
@@ -381,7 +390,8 @@ def _fp8_dense_block_fwd(x, kernels, addend, kernel_dtypes, implementation,
 
 
 def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
-                         reuse_input, fused, has_addend, residuals, grads):
+                         reuse_input, fused, has_addend, grad_dtype,
+                         residuals, grads):
   d_addend = grads[0] if has_addend else None  # the sum's gradient
   saved, grads = after_grads(residuals, grads)
   *saved, weights = saved
@@ -401,11 +411,11 @@ def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
     # (`block_fusable`), quantized from the parts in one pass (no joined
     # copy written: 1.0 ms of the 1b step on an H200).
     quantized = [block_quant.quantize_blockwise_parts(
-        [_pad_tokens(g) for g in grads], 'e5m2', transpose=True,
+        [_pad_tokens(g) for g in grads], grad_dtype, transpose=True,
         transpose_block=g_blocks)]
     kernel_dtypes = kernel_dtypes[:1]
   else:
-    quantized = [_tiles_with_transpose(_pad_tokens(g), 'e5m2', g_blocks)
+    quantized = [_tiles_with_transpose(_pad_tokens(g), grad_dtype, g_blocks)
                  for g in grads]
   dx = None
   dkernels = []
@@ -450,7 +460,7 @@ def check_fp8_dense_args(x, kernels, gather_axes=None) -> None:
                     ' float32 inputs.')
   for name, size in [('x.shape[-1]', x.shape[-1])] + [
       (f'kernels[{i}].shape[1]', w.shape[1]) for i, w in enumerate(kernels)]:
-    precision_lib.check_fp8_size(name, size, 'fp8_linear')
+    recipes.COAT.check_size(name, size)
   if gather_axes is not None and len(gather_axes) != len(kernels):
     raise ValueError(f'gather_axes names {len(gather_axes)} kernels; there'
                      f' are {len(kernels)} (one tuple of axis names each).')
@@ -473,13 +483,14 @@ def fp8_rows(x: jax.Array) -> tuple[jax.Array, int]:
   tile M by 16; zero rows add nothing to wgrad."""
   x2 = x.reshape(-1, x.shape[-1])
   rows = x2.shape[0]
-  pad = -rows % precision_lib.FP8_MULTIPLE
+  pad = -rows % recipes.FP8_MULTIPLE
   return (jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2), rows
 
 
 def fp8_dense(
     x: jax.Array, kernels: Sequence[jax.Array], *,
     implementation: str | None = None, scaling: str = 'tensor',
+    grad_dtype: str = 'e5m2',
     gather_axes: tuple[tuple[str | None, ...] | None, ...] | None = None,
     reuse_input: bool = False, x_amax: jax.Array | None = None,
     fused: bool = False, residual: jax.Array | None = None,
@@ -496,6 +507,7 @@ def fp8_dense(
     scaling: 'tensor' (per-tensor current scaling, COAT's paper) or 'block'
       (1x128 tiles for x and the output gradients, 128x128 weight blocks;
       see the module doc).
+    grad_dtype: the output gradients' FP8 format, 'e5m2' or 'e4m3'.
     gather_axes: None, or the logical axis names of each kernel: under an
       FSDP mesh, all-gather the kernels' FP8 codes
       (`coat_jax.nn.fsdp.gather_fp8_weight`) instead of float32 shards;
@@ -541,7 +553,12 @@ def fp8_dense(
     under FSDP) with their scale(s) (one, or one per 128x128 block),
     named `FP8_WEIGHT`; with reuse_input, x instead of its codes.
   """
-  precision_lib.check_scaling(scaling)
+  if scaling not in recipes.SCALINGS:
+    raise ValueError(f'scaling={scaling!r} must be one of'
+                     f' {recipes.SCALINGS}.')
+  if grad_dtype not in recipes.GRAD_DTYPES:
+    raise ValueError(f'grad_dtype={grad_dtype!r} must be one of'
+                     f' {recipes.GRAD_DTYPES}.')
   kernels = tuple(kernels)
   check_fp8_dense_args(x, kernels, gather_axes)
   lead = x.shape[:-1]
@@ -559,7 +576,7 @@ def fp8_dense(
     outs = _fp8_dense_block_2d(x.reshape(-1, x.shape[-1]), kernels, addend,
                                kernel_dtypes, implementation, gather_axes,
                                reuse_input, fused and block_fusable(kernels),
-                               addend is not None)
+                               addend is not None, grad_dtype)
     return tuple(y.reshape(lead + (y.shape[1],)) for y in outs)
   x2, rows = fp8_rows(x)
   pad = x2.shape[0] - rows
@@ -570,7 +587,7 @@ def fp8_dense(
                      f' {[str(d) for d in kernel_dtypes]}.')
   outs = _fp8_dense_2d(x2, kernels, x_amax, kernel_dtypes, implementation,
                        gather_axes, reuse_input and not pad, fused,
-                       grad_amax_slot)
+                       grad_amax_slot, grad_dtype)
   slot = outs[-1:] if grad_amax_slot else ()
   outs = tuple(y[:rows].reshape(lead + (y.shape[1],))
                for y in outs[:len(kernels)])
@@ -624,30 +641,32 @@ def bf16_dense(
 
 
 def dense(
-    x: jax.Array, kernels: Sequence[jax.Array], *, precision: str,
-    dtype: Any = jnp.bfloat16, implementation: str | None = None,
-    scaling: str = 'tensor', gather_axes: Any = None,
+    x: jax.Array, kernels: Sequence[jax.Array], *,
+    recipe: recipes.Recipe | str = recipes.COAT, dtype: Any = jnp.bfloat16,
+    implementation: str | None = None, gather_axes: Any = None,
     reuse_input: bool = False, x_amax: jax.Array | None = None,
     fused: bool = False, residual: jax.Array | None = None,
     grad_amax_slot: bool = False,
 ) -> tuple[jax.Array, ...]:
-  """`x @ w` for each kernel, with the implementation of `precision`.
+  """`x @ w` for each kernel, as `recipe` runs linear layers.
 
-  'bf16' runs BF16 matmuls; 'fp8_linear' and 'coat' run `fp8_dense` with
-  `scaling`, `gather_axes`, `reuse_input`, `x_amax`, `fused`, `residual`
-  and `grad_amax_slot` (BF16 matmuls ignore all but residual, which XLA
-  adds in cuBLAS's epilogue, and take no slot). x is cast to `dtype` first;
-  outputs are in `dtype`.
+  With `recipe.fp8_matmuls`, `fp8_dense` with the recipe's scaling and
+  gradient format and `gather_axes`, `reuse_input`, `x_amax`, `fused`,
+  `residual` and `grad_amax_slot`; else BF16 matmuls, which ignore all but
+  residual (XLA adds it in cuBLAS's epilogue) and take no slot. x is cast
+  to `dtype` first; outputs are in `dtype`.
   """
+  recipe = recipes.get(recipe)
   x = x.astype(dtype)
-  if precision_lib.uses_fp8_matmuls(precision):
+  if recipe.fp8_matmuls:
     return fp8_dense(x, kernels, implementation=implementation,
-                     scaling=scaling, gather_axes=gather_axes,
-                     reuse_input=reuse_input, x_amax=x_amax, fused=fused,
-                     residual=residual, grad_amax_slot=grad_amax_slot)
+                     scaling=recipe.scaling, grad_dtype=recipe.grad_dtype,
+                     gather_axes=gather_axes, reuse_input=reuse_input,
+                     x_amax=x_amax, fused=fused, residual=residual,
+                     grad_amax_slot=grad_amax_slot)
   if grad_amax_slot:
-    raise ValueError(f'grad_amax_slot needs FP8 matmuls (precision'
-                     f' \'fp8_linear\' or \'coat\'; got {precision!r}).')
+    raise ValueError('grad_amax_slot needs FP8 matmuls (a recipe with'
+                     ' fp8_matmuls=True).')
   outs = bf16_dense(x, kernels, dtype=dtype)
   if residual is None:
     return outs
@@ -656,32 +675,31 @@ def dense(
 
 
 class CoatLinear(nnx.Module):
-  """A linear layer over the last axis; FP8 GEMMs in FP8 precision modes.
+  """A linear layer over the last axis; FP8 GEMMs where the recipe says so.
 
   Mirrors `nnx.Linear`: kernel (in_features, out_features), optional bias
-  (out_features,), both `param_dtype` (float32 master weights); compute in
-  `dtype` (bfloat16). With precision 'fp8_linear' or 'coat' the matmuls are
-  FP8 (E4M3 forward, E5M2 x E4M3 backward) and only the FP8 input and the
-  kernel's FP8 codes are saved for backward.
+  (out_features,), both `param_dtype` (float32 master weights), so the
+  params of an `nnx.Linear` serve it as they are (`coat_jax.convert`).
+  With `recipe.fp8_matmuls` the matmuls are FP8 (E4M3 forward, E5M2 x E4M3
+  backward) and only the FP8 input and the kernel's FP8 codes are saved
+  for backward.
 
   Args:
-    in_features: input size (a multiple of 16 in FP8 modes).
-    out_features: output size (a multiple of 16 in FP8 modes).
+    in_features: input size (a multiple of 16 with FP8 matmuls).
+    out_features: output size (a multiple of 16 with FP8 matmuls).
     use_bias: add a bias (default True, as nnx.Linear).
-    dtype: computation dtype (bfloat16 or float32).
+    dtype: computation dtype (bfloat16), or None for the promoted dtype of
+      the input and the kernel (as nnx.Linear).
     param_dtype: parameter dtype.
-    precision: 'bf16', 'fp8_linear' or 'coat'.
+    recipe: a `coat_jax.Recipe` or a preset name (default `recipes.COAT`).
     kernel_init: initializer of the kernel.
     bias_init: initializer of the bias.
     kernel_axes: logical axis names of the kernel, e.g. ('embed', 'mlp').
-    implementation: `fp8_matmul` implementation ('xla', 'pallas',
-      'triton', None).
-    scaling: FP8 scaling granularity, 'tensor' or 'block' (see `fp8_dense`).
-    fp8_weight_gather: all-gather FSDP-sharded weights as FP8 codes (FP8
-      modes; `coat_jax.nn.fsdp.gather_fp8_weight`).
+    implementation: `fp8_matmul` implementation ('xla', 'pallas' or None).
     rngs: random number generators.
     kernel_metadata: extra metadata for the kernel Param.
     bias_metadata: extra metadata for the bias Param.
+    precision: the older name of `recipe` (a preset name).
   """
 
   def __init__(
@@ -692,20 +710,19 @@ class CoatLinear(nnx.Module):
       use_bias: bool = True,
       dtype: Any = jnp.bfloat16,
       param_dtype: Any = jnp.float32,
-      precision: str = 'coat',
+      recipe: recipes.Recipe | str | None = None,
       kernel_init: Any = default_kernel_init,
       bias_init: Any = default_bias_init,
       kernel_axes: tuple[str | None, ...] | None = None,
       implementation: str | None = None,
-      scaling: str = 'tensor',
-      fp8_weight_gather: bool = False,
       rngs: nnx.Rngs,
       kernel_metadata: Any = MappingProxyType({}),
       bias_metadata: Any = MappingProxyType({}),
+      precision: str | None = None,
   ):
-    precision_lib.check_scaling(scaling)
-    precision_lib.check_fp8_size('in_features', in_features, precision)
-    precision_lib.check_fp8_size('out_features', out_features, precision)
+    recipe = recipes.from_arguments(recipe, precision)
+    recipe.check_size('in_features', in_features)
+    recipe.check_size('out_features', out_features)
     self.kernel = partitioning.make_param(
         kernel_init, rngs.params(), (in_features, out_features), param_dtype,
         kernel_axes)
@@ -725,10 +742,8 @@ class CoatLinear(nnx.Module):
     self.use_bias = use_bias
     self.dtype = dtype
     self.param_dtype = param_dtype
-    self.precision = precision
+    self.recipe = recipe
     self.implementation = implementation
-    self.scaling = scaling
-    self.fp8_weight_gather = fp8_weight_gather
     self.kernel_axes = kernel_axes
 
   def __call__(self, x: jax.Array, *, reuse_input: bool = False,
@@ -736,18 +751,25 @@ class CoatLinear(nnx.Module):
                residual: jax.Array | None = None,
                grad_amax_slot: bool = False
                ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """(..., in_features) -> (..., out_features) in `dtype`.
+    """(..., in_features) -> (..., out_features) in the compute dtype.
 
     reuse_input: x is kept for backward by its producer anyway (see
     `fp8_dense`): save it instead of an FP8 copy. x_amax: max |x| if its
     producer computed it (see `fp8_dense`). residual: None, or (...,
-    out_features) in `dtype` to add (a skip connection): residual + x @ w
-    (+ bias), added in the GEMM where the kernel can (see `fp8_dense`).
-    grad_amax_slot: return (output, slot) (see `fp8_dense`).
+    out_features) in the compute dtype to add (a skip connection):
+    residual + x @ w (+ bias), added in the GEMM where the kernel can (see
+    `fp8_dense`). grad_amax_slot: return (output, slot) (see `fp8_dense`).
     """
     outs = fanout(x, [self], reuse_input=reuse_input, x_amax=x_amax,
                   residual=residual, grad_amax_slot=grad_amax_slot)
     return outs if grad_amax_slot else outs[0]
+
+  def compute_dtype(self, x: jax.Array) -> Any:
+    """The dtype the layer computes in for input x: `dtype`, or where that
+    is None the promoted dtype of x and the kernel (as nnx.Linear)."""
+    if self.dtype is not None:
+      return self.dtype
+    return jnp.result_type(x.dtype, self.kernel.dtype)
 
 
 def layer_kernels(
@@ -755,9 +777,9 @@ def layer_kernels(
 ) -> tuple[list[jax.Array], tuple[Any, ...] | None]:
   """(the layers' kernels as their matmuls read them: gathered whole under
   an FSDP mesh, the `gather_axes` of `fp8_dense`: their logical axis names
-  with fp8_weight_gather, else None)."""
+  with the recipe's fp8_weight_gather, else None)."""
   kernels = [fsdp.gather_weight(layer.kernel[...]) for layer in layers]
-  if not layers[0].fp8_weight_gather:
+  if not layers[0].recipe.fp8_weight_gather:
     return kernels, None
   return kernels, tuple(layer.kernel_axes for layer in layers)
 
@@ -769,28 +791,27 @@ def fanout(
 ) -> tuple[jax.Array, ...]:
   """Applies several CoatLinear layers to one input, saving it only once.
 
-  The layers must share precision, dtype, implementation, scaling and
-  fp8_weight_gather (Q/K/V or gate/up projections). Returns one output per
-  layer (then the slot, with grad_amax_slot). reuse_input, x_amax, fused
-  (one GEMM for all the layers' kernels), residual and grad_amax_slot (one
-  layer only): see `fp8_dense`.
+  The layers must share recipe, dtype and implementation (Q/K/V or gate/up
+  projections). Returns one output per layer (then the slot, with
+  grad_amax_slot). reuse_input, x_amax, fused (one GEMM for all the
+  layers' kernels), residual and grad_amax_slot (one layer only): see
+  `fp8_dense`.
   """
   first = layers[0]
 
   def shared(layer):
-    return (layer.precision, layer.dtype, layer.implementation, layer.scaling,
-            layer.fp8_weight_gather)
+    return layer.recipe, layer.dtype, layer.implementation
 
   for layer in layers[1:]:
     if shared(layer) != shared(first):
-      raise ValueError('fanout: all layers must share precision, dtype,'
-                       ' implementation, scaling and fp8_weight_gather.')
+      raise ValueError('fanout: all layers must share recipe, dtype and'
+                       ' implementation.')
   kernels, gather_axes = layer_kernels(layers)
-  outs = dense(x, kernels, precision=first.precision, dtype=first.dtype,
-               implementation=first.implementation, scaling=first.scaling,
-               reuse_input=reuse_input, x_amax=x_amax,
-               gather_axes=gather_axes, fused=fused, residual=residual,
-               grad_amax_slot=grad_amax_slot)
+  outs = dense(x, kernels, recipe=first.recipe,
+               dtype=first.compute_dtype(x),
+               implementation=first.implementation, reuse_input=reuse_input,
+               x_amax=x_amax, gather_axes=gather_axes, fused=fused,
+               residual=residual, grad_amax_slot=grad_amax_slot)
   slot = outs[len(layers):]
   return tuple(
       y + fsdp.gather_weight(layer.bias[...]).astype(y.dtype)
