@@ -1,8 +1,11 @@
-"""Trains a Llama with COAT FP8 training. `python train.py` runs the default.
+"""Trains a language model with COAT FP8 training. `python train.py` runs the
+default (a tiny Llama on the standard library's Python files, byte-level).
 
   python train.py
-  python train.py --config configs/llama_1b.py --set model.precision=bf16 \
+  python train.py --config configs/llama_1b.py --set model.recipe=bf16 \
       train.batch_size=16
+  python train.py --config configs/finetune_hf.py \
+      --set model.init_from=path/to/qwen3
   python train.py --config configs/llama2_7b.py --estimate
   python train.py --config configs/llama2_7b.py --find-max-batch
 
@@ -131,8 +134,9 @@ def _complete_message(summary: dict, argv) -> str:
 
 def _estimate(config, limit) -> int:
   from coat_jax.training import memory  # noqa: PLC0415
+  from coat_jax.training import planning  # noqa: PLC0415
 
-  mem = memory.estimate(config, limit=limit)
+  mem = planning.estimate(config, limit=limit)
   print(mem.format())
   memory.check_fits(mem, config)  # a ValueError names the options
   return 0
@@ -140,31 +144,32 @@ def _estimate(config, limit) -> int:
 
 def _find_max_batch(config, limit, policies) -> int:
   from coat_jax.models import remat  # noqa: PLC0415
+  from coat_jax.training import config as config_lib  # noqa: PLC0415
   from coat_jax.training import memory  # noqa: PLC0415
-  from coat_jax.training import trainer  # noqa: PLC0415
+  from coat_jax.training import planning  # noqa: PLC0415
 
   limit = memory.device_limit() if limit is None else limit
   if limit is None:
     raise ValueError('--find-max-batch needs the device memory: this device'
                      ' reports none (CPU); pass --memory-limit-gib.')
-  names = (memory.usable_policies() if policies is None
+  names = (planning.usable_policies() if policies is None
            else tuple(p for p in policies.split(',') if p))
   for name in names:
     remat.check_policy(name, '--policies')
   print(f'largest train.batch_size within {limit / memory.GIB:.2f} GiB per'
-        f' device (seq_len {config.data.seq_len}, model.precision='
-        f'{config.model.precision}):')
+        f' device (seq_len {config.data.seq_len}, model.recipe='
+        f'{config.model.recipe}):')
   # The configured layer layout first, then the other: unrolled layers run
   # faster, scanned ones with remat 'full' keep the least (1b coat compiled
   # for an H200: temp 4.65 GiB against 6.41; RESULTS.md "gpu-compile").
-  configured = trainer.llama_config(config.model).scan_layers
+  configured = config_lib.architecture(config.model).scan_layers
   for scan in (configured, not configured):
     config.model.scan_layers = scan
     layout = f'model.scan_layers={str(scan).lower()}'
     for name in names:
       config.model.remat = name
       try:
-        batch = memory.find_max_batch(config, limit)
+        batch = planning.find_max_batch(config, limit)
       except ValueError as e:  # e.g. unrolled layers under deterministic ops
         if scan == configured:
           raise
@@ -173,7 +178,7 @@ def _find_max_batch(config, limit, policies) -> int:
       print(f'  {layout} model.remat={name}: '
             + (f'train.batch_size={batch}' if batch else 'does not fit at'
                f' the smallest batch'
-               f' ({memory.batch_unit(config, _num_devices())})'),
+               f' ({planning.batch_unit(config, _num_devices())})'),
             flush=True)
   return 0
 

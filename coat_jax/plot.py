@@ -3,7 +3,7 @@
   python -m coat_jax.plot runs/bf16 runs/coat -o curves.png
 
 Several runs are overlaid; each is labelled from its config.json (model
-preset, precision, optimizer), with its directory's name where two labels
+preset, recipe, optimizer), with its directory's name where two labels
 would be the same. Needs matplotlib (pip install matplotlib, or the `plot`
 extra).
 """
@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from coat_jax import recipes
+from coat_jax.training import config as config_lib
 from coat_jax.training import metrics as metrics_lib
 
 # (metrics.jsonl key, axis title)
@@ -33,14 +35,15 @@ def _pyplot():
 
 
 def run_label(run_dir: str) -> str:
-  """'<preset> <precision>, <optimizer>' from the run's config.json, or the
+  """'<preset> <recipe>, <optimizer>' from the run's config.json, or the
   directory's name when it has none."""
   try:
     with open(os.path.join(run_dir, 'config.json')) as f:
       config = json.load(f)
-    model, optim = config['model'], config['optim']
-    return f"{model['preset']} {model['precision']}, {optim['name']}"
-  except (OSError, KeyError, ValueError):
+    model = config_lib.from_dict(config).model
+    recipe = recipes.name_of(config_lib.recipe(model)) or 'custom recipe'
+    return f"{model.preset} {recipe}, {config['optim']['name']}"
+  except (OSError, KeyError, ValueError, TypeError):
     return os.path.basename(os.path.normpath(run_dir))
 
 

@@ -9,7 +9,7 @@ from coat_jax.training import TrainConfig
 
 def get_config() -> Config:
   return Config(
-      model=ModelConfig(preset='llama2_13b', precision='coat'),
+      model=ModelConfig(preset='llama2_13b', recipe='coat'),
       optim=OptimConfig(learning_rate=2e-4, warmup_steps=200),
       data=DataConfig(seq_len=2048),
       train=TrainConfig(steps=1000, batch_size=8, eval_every=200,

@@ -23,7 +23,7 @@ from coat_jax.training import TrainConfig
 
 def get_config() -> Config:
   return Config(
-      model=ModelConfig(preset='llama2_7b', precision='coat'),
+      model=ModelConfig(preset='llama2_7b', recipe='coat'),
       optim=OptimConfig(learning_rate=3e-4, warmup_steps=200),
       data=DataConfig(seq_len=2048),
       train=TrainConfig(steps=1000, batch_size=16, eval_every=200,

@@ -9,7 +9,7 @@ from coat_jax.training import TrainConfig
 
 def get_config() -> Config:
   return Config(
-      model=ModelConfig(preset='125m', precision='coat'),
+      model=ModelConfig(preset='125m', recipe='coat'),
       optim=OptimConfig(learning_rate=6e-4, warmup_steps=100),
       data=DataConfig(seq_len=1024),
       train=TrainConfig(steps=2000, batch_size=32, eval_every=250,

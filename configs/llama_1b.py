@@ -17,7 +17,7 @@ from coat_jax.training import TrainConfig
 
 def get_config() -> Config:
   return Config(
-      model=ModelConfig(preset='1b', precision='coat'),
+      model=ModelConfig(preset='1b', recipe='coat'),
       optim=OptimConfig(learning_rate=3e-4, warmup_steps=50),
       data=DataConfig(seq_len=2048),
       train=TrainConfig(steps=300, batch_size=8, eval_every=100,

@@ -154,7 +154,7 @@ def _check_pair(gate, up) -> None:
     raise ValueError(
         f'gate {getattr(gate, "shape", None)} {getattr(gate, "dtype", None)}'
         f' and up {getattr(up, "shape", None)} {getattr(up, "dtype", None)}'
-        ' must have one shape and dtype.')
+        ' must have the same shape and dtype.')
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

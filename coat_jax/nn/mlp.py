@@ -159,6 +159,8 @@ class CoatMLP(nnx.Module):
     if activation not in ACTIVATIONS:
       raise ValueError(f'activation={activation!r} must be one of'
                        f' {ACTIVATIONS}.')
+    recipe.check_size('in_features', in_features)
+    recipe.check_size('hidden_features', hidden_features)
     kwargs = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
                   recipe=recipe, kernel_init=kernel_init,
                   implementation=implementation, rngs=rngs)

@@ -20,9 +20,11 @@ from coat_jax.training.config import ModelConfig
 # Optimizer fields that decide the layout of the state.
 _OPTIM_LAYOUT = ('name', 'group_size', 'moment_dtypes', 'expansion')
 # Model fields that change how a step runs, not what the state holds (a
-# resumed run may change them; model.init_from only seeds a new run).
-_MODEL_RUNTIME = ('fp8_weight_gather', 'fuse_qkv', 'remat', 'scaling',
-                  'scan_layers', 'init_from')
+# resumed run may change them; model.init_from only seeds a new run). The
+# recipe, and its older names, are among them: every recipe trains the
+# same params and optimizer state.
+_MODEL_RUNTIME = ('recipe', 'precision', 'fp8_weight_gather', 'fuse_qkv',
+                  'remat', 'scaling', 'scan_layers', 'init_from')
 _MODEL_DEFAULTS = dataclasses.asdict(ModelConfig())
 
 

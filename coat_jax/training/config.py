@@ -11,44 +11,74 @@ import types
 import typing
 from typing import Any
 
+from coat_jax import recipes
+from coat_jax.models import decoder
+from coat_jax.models import families
+from coat_jax.models import hf
 from coat_jax.models import remat as remat_lib
-from coat_jax.nn.precision import PRECISIONS
-from coat_jax.nn.precision import SCALINGS
 
 
-@dataclasses.dataclass
-class ModelConfig:
-  """The model: a `LlamaConfig` preset with optional field overrides."""
+def _architecture_fields() -> list[tuple[str, Any, Any]]:
+  """ModelConfig's overrides of the architecture: every `DecoderConfig`
+  field of a plain type, as an optional field (None: the preset's or the
+  checkpoint's value)."""
+  hints = typing.get_type_hints(decoder.DecoderConfig)
+  fields = []
+  for f in dataclasses.fields(decoder.DecoderConfig):
+    inner = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+    kind = inner[0] if len(inner) == 1 else hints[f.name]
+    if kind in (int, float, bool, str):
+      fields.append((f.name, kind | None, dataclasses.field(default=None)))
+  return fields
 
-  preset: str = 'tiny'
-  precision: str = 'coat'  # 'bf16', 'fp8_linear' or 'coat'
-  scaling: str = 'tensor'  # FP8 linear layers: 'tensor' or 'block'
-  # Q/K/V as one fused FP8 projection, one GEMM each way ('tensor' scaling:
-  # one scale for their weights, one for their gradients; False: a scale
-  # each, COAT's paper. 'block': the same tiles and blocks either way).
-  fuse_qkv: bool = True
-  vocab_size: int | None = None  # None: the preset's
-  hidden_size: int | None = None
-  intermediate_size: int | None = None
-  num_layers: int | None = None
-  num_heads: int | None = None
-  num_kv_heads: int | None = None
-  max_seq_len: int | None = None
-  tie_embeddings: bool | None = None
-  scan_layers: bool | None = None
-  # Under mesh.fsdp > 1, all-gather the FP8 codes of the weights (1 byte a
-  # param) instead of their float32 shards (FP8 precisions; off until
-  # measured on several GPUs: benchmarks/fsdp.py).
-  fp8_weight_gather: bool = False
-  # A Hugging Face Llama directory (config.json + safetensors): the first
-  # run starts from its weights, its config.json sets the dimensions (the
-  # preset is ignored) and data.source=text uses its tokenizer.json.
-  init_from: str | None = None
-  # What each decoder layer keeps for backward: 'none', 'minimal',
-  # 'minimal_offloaded' (GPU) or 'full' (see coat_jax.models.remat), or
-  # 'auto': 'full' for scanned layers, 'none' for unrolled layers in 'coat'
-  # mode, else 'minimal' (`remat.resolve`).
-  remat: str = remat_lib.DEFAULT
+
+ModelConfig = dataclasses.make_dataclass(
+    'ModelConfig',
+    [('preset', str, dataclasses.field(default='tiny')),
+     ('recipe', recipes.Recipe | str,
+      dataclasses.field(default=recipes.DEFAULT)),
+     ('init_from', str | None, dataclasses.field(default=None)),
+     *_architecture_fields()],
+    namespace={'__doc__': """The model: a preset with field overrides, or a
+  Hugging Face checkpoint, and the recipe it trains with.
+
+  preset: a preset of any family (`coat_jax.models.preset`: 'tiny', '1b',
+    'llama2_7b', 'qwen3_1.7b', 'gemma3_1b', ...).
+  recipe: a `coat_jax.Recipe` or a preset name ('bf16', 'fp8_linear',
+    'coat', 'coat_block'); on the command line `model.recipe=coat_block`,
+    and a field of it `model.recipe.scaling=block`.
+  init_from: a Hugging Face checkpoint directory (config.json +
+    safetensors) of a supported family: the first run starts from its
+    weights, its config.json sets the architecture (the preset is ignored)
+    and data.source=text uses its tokenizer.json.
+  Every other field overrides the `DecoderConfig` field of its name (None:
+  the preset's or the checkpoint's value), e.g. model.num_layers=4,
+  model.scan_layers=true, model.remat=full (see `coat_jax.models.remat`).
+"""})
+
+# The older names of the recipe and its fields (config files and run
+# directories written before recipes): name -> the recipe field it sets
+# (None: the recipe itself, by preset name).
+LEGACY_RECIPE_FIELDS = {'precision': None, 'scaling': 'scaling',
+                        'fuse_qkv': 'fuse_qkv',
+                        'fp8_weight_gather': 'fp8_weight_gather'}
+
+
+def architecture(model: Any) -> decoder.DecoderConfig:
+  """The family config `model` (a ModelConfig) describes: its preset's or
+  its init_from checkpoint's, with its overrides."""
+  overrides = {name: getattr(model, name)
+               for name, _, _ in _architecture_fields()
+               if getattr(model, name) is not None}
+  if model.init_from is not None:
+    return hf.config_from_hf(hf.read_hf_config(model.init_from), overrides,
+                             prefix='model.')
+  return families.preset(model.preset, **overrides)
+
+
+def recipe(model: Any) -> recipes.Recipe:
+  """model.recipe as a `Recipe` (a preset name resolved)."""
+  return recipes.get(model.recipe, 'model.recipe')
 
 
 @dataclasses.dataclass
@@ -162,6 +192,8 @@ def load_config(path: str | os.PathLike | None) -> Config:
 
 def _parse(text: str, annotation: Any, name: str) -> Any:
   """Parses `text` as a value of the type `annotation`."""
+  if annotation == recipes.Recipe | str:
+    return recipes.get(text, name)
   origin = typing.get_origin(annotation)
   if origin in (typing.Union, types.UnionType):
     args = typing.get_args(annotation)
@@ -187,7 +219,10 @@ def _parse(text: str, annotation: Any, name: str) -> Any:
 
 
 def apply_overrides(config: Config, overrides: list[str]) -> Config:
-  """Returns a copy of `config` with `section.field=value` overrides applied.
+  """Returns a copy of `config` with `section.field=value` overrides applied
+  (`model.recipe.field=value` sets a field of the recipe; the older
+  `model.precision`, `model.scaling`, `model.fuse_qkv` and
+  `model.fp8_weight_gather` set the recipe and its fields).
 
   Raises:
     ValueError: malformed override, unknown field or unparsable value.
@@ -198,7 +233,10 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
       raise ValueError(f'override {item!r} must look like section.field=value'
                        ' (e.g. train.batch_size=16).')
     dotted, text = item.split('=', 1)
-    *parents, field = dotted.split('.')
+    *parents, field = _legacy_name(dotted).split('.')
+    if parents == ['model', 'recipe']:
+      _set_recipe_field(config.model, field, text, dotted)
+      continue
     target = config
     for part in parents:
       if not dataclasses.is_dataclass(target) or not hasattr(target, part):
@@ -214,6 +252,30 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
     hints = typing.get_type_hints(type(target))
     setattr(target, field, _parse(text, hints[field], dotted))
   return config
+
+
+def _legacy_name(dotted: str) -> str:
+  """model.precision -> model.recipe, model.scaling -> model.recipe.scaling
+  (`LEGACY_RECIPE_FIELDS`); other names unchanged."""
+  section, _, field = dotted.partition('.')
+  if section != 'model' or field not in LEGACY_RECIPE_FIELDS:
+    return dotted
+  inner = LEGACY_RECIPE_FIELDS[field]
+  return 'model.recipe' + (f'.{inner}' if inner else '')
+
+
+def _set_recipe_field(model: Any, field: str, text: str, name: str) -> None:
+  """model.recipe with one field replaced, parsed by its declared type."""
+  hints = typing.get_type_hints(recipes.Recipe)
+  if field not in hints:
+    raise ValueError(f'override {name!r}: Recipe has no field {field!r};'
+                     f' its fields: {_field_names(recipes.Recipe)}.')
+  current = recipes.get(model.recipe, 'model.recipe')
+  try:
+    model.recipe = dataclasses.replace(
+        current, **{field: _parse(text, hints[field], name)})
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'{name}={text!r}: {e}') from None
 
 
 def can_fuse(o: OptimConfig) -> bool:
@@ -253,9 +315,12 @@ def validate(config: Config, num_devices: int) -> None:
         raise ValueError(f'{name}={value!r} has type {type(value).__name__};'
                          f' expected {hints[f.name]}.')
   m, o, d, t = config.model, config.optim, config.data, config.train
-  _one_of('model.precision', m.precision, PRECISIONS)
-  _one_of('model.scaling', m.scaling, SCALINGS)
-  remat_lib.check_policy(m.remat, 'model.remat')
+  recipe(m)  # a Recipe, or a preset's name
+  if m.init_from is None and m.preset not in families.presets():
+    raise ValueError(f'model.preset={m.preset!r} is unknown: use one of'
+                     f' {sorted(families.presets())}.')
+  if m.remat is not None:
+    remat_lib.check_policy(m.remat, 'model.remat')
   _one_of('optim.name', o.name, ('coat_adamw', 'adamw'))
   _one_of('data.source', d.source, ('stdlib', 'text', 'tokens'))
   _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))
@@ -356,7 +421,8 @@ def to_dict(config: Config) -> dict:
 
 def from_dict(values: dict) -> Config:
   """The Config of `to_dict` output (e.g. a run's config.json); fields it
-  lacks (written by an older version) keep their defaults.
+  lacks (written by an older version) keep their defaults, and the older
+  names of the recipe (`LEGACY_RECIPE_FIELDS`) set it.
 
   Raises:
     ValueError: an unknown section or field.
@@ -365,6 +431,8 @@ def from_dict(values: dict) -> Config:
   for section in dataclasses.fields(Config):
     cls = section.default_factory
     given = dict(values.get(section.name, {}))
+    if section.name == 'model':
+      given = _model_from_dict(given)
     unknown = set(given) - set(_field_names(cls))
     if unknown:
       raise ValueError(f'{section.name}: unknown fields {sorted(unknown)}.')
@@ -377,6 +445,22 @@ def from_dict(values: dict) -> Config:
   if unknown:
     raise ValueError(f'unknown config sections {sorted(unknown)}.')
   return Config(**sections)
+
+
+def _model_from_dict(given: dict) -> dict:
+  """The model section's dict with its recipe a `Recipe` (from a dict or a
+  preset name, or from the older precision/scaling/fuse_qkv/
+  fp8_weight_gather keys)."""
+  given = dict(given)
+  legacy = {k: given.pop(k) for k in list(given) if k in LEGACY_RECIPE_FIELDS}
+  recipe_value = given.get('recipe', legacy.pop('precision', None))
+  if isinstance(recipe_value, dict):
+    recipe_value = recipes.Recipe(**recipe_value)
+  recipe_value = recipes.get(recipe_value if recipe_value is not None
+                             else recipes.DEFAULT, 'model.recipe')
+  fields = {LEGACY_RECIPE_FIELDS[k]: v for k, v in legacy.items()}
+  given['recipe'] = dataclasses.replace(recipe_value, **fields)
+  return given
 
 
 def _is_tuple(annotation: Any) -> bool:

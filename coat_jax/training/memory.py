@@ -1,10 +1,10 @@
 """How a run's device memory divides, from the compiled train step.
 
-`estimate` compiles the train step ahead of time from abstract state (no
-param is initialized) and reads XLA's buffer assignment
-(`compiled.memory_analysis()`); `find_max_batch` searches the largest
-`train.batch_size` that fits by compiling, never by running out of memory.
-All sizes are bytes per device.
+`compile_train_step` compiles a train step ahead of time from abstract state
+(no param is initialized) and `breakdown` reads XLA's buffer assignment
+(`compiled.memory_analysis()`); `coat_jax.training.planning` estimates a
+config and searches the largest batch that fits with them. All sizes are
+bytes per device.
 """
 
 import dataclasses
@@ -121,24 +121,15 @@ def breakdown(setup: Any, compiled,
       layers=_layers(setup.config.model))
 
 
-def _layers(model: config_lib.ModelConfig) -> str:
+def _layers(model: Any) -> str:
   """"unrolled, remat 'none'" (or "scanned, remat 'full' (auto)"): the
-  layout and the remat policy the decoder layers run."""
-  from coat_jax.training import trainer  # noqa: PLC0415 (trainer uses us)
-
-  scan = trainer.llama_config(model).scan_layers
-  policy = remat_lib.resolve(model.remat, model.precision, scan)
-  auto = ' (auto)' if model.remat == remat_lib.AUTO else ''
-  return f"{'scanned' if scan else 'unrolled'}, remat {policy!r}{auto}"
-
-
-def estimate(config: config_lib.Config, devices=None,
-             limit: int | None = None) -> MemoryBreakdown:
-  """Compiles `config`'s train step ahead of time; its MemoryBreakdown."""
-  from coat_jax.training import trainer  # noqa: PLC0415 (trainer uses us)
-
-  setup = trainer.build(config, devices)
-  return breakdown(setup, compile_train_step(setup), limit)
+  layout and the remat policy the decoder layers run (model: a
+  ModelConfig)."""
+  arch = config_lib.architecture(model)
+  policy = remat_lib.resolve(arch.remat, config_lib.recipe(model),
+                             arch.scan_layers)
+  auto = ' (auto)' if arch.remat == remat_lib.AUTO else ''
+  return f"{'scanned' if arch.scan_layers else 'unrolled'}, remat {policy!r}{auto}"
 
 
 def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
@@ -150,7 +141,7 @@ def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
       f'this run needs {mem.total / GIB:.2f} GiB per device but the device'
       f' allows {mem.limit / GIB:.2f} GiB (train.batch_size='
       f'{config.train.batch_size}, model.remat={config.model.remat!r},'
-      f' model.precision={config.model.precision!r}). Options: a smaller'
+      f' model.recipe={config.model.recipe!r}). Options: a smaller'
       ' train.batch_size (or more train.microbatches); a remat policy that'
       f' keeps less (model.remat one of {others}; \'full\' keeps least,'
       ' with model.scan_layers=true less still); more devices, or'
@@ -159,47 +150,3 @@ def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
       ' ...` finds the largest batch per layer layout and policy.')
 
 
-def batch_unit(config: config_lib.Config, num_devices: int) -> int:
-  """train.batch_size must be a multiple of this (microbatches x data
-  shards of the mesh)."""
-  data, fsdp, _ = config_lib.mesh_shape(config.mesh, num_devices)
-  return config.train.microbatches * data * fsdp
-
-
-def find_max_batch(config: config_lib.Config, limit: int, devices=None,
-                   max_batch: int = 1 << 14) -> int:
-  """The largest train.batch_size of `config` whose step fits in `limit`.
-
-  Compiles the step (doubling, then bisection) over multiples of
-  `batch_unit`; returns 0 if even one unit does not fit.
-  """
-  devices = jax.devices() if devices is None else devices
-  unit = batch_unit(config, len(devices))
-
-  def fits(units: int) -> bool:
-    c = config_lib.apply_overrides(config, [])
-    c.train.batch_size = units * unit
-    try:
-      return estimate(c, devices, limit).fits
-    except jax.errors.JaxRuntimeError as e:  # compile-time out of memory
-      if 'RESOURCE_EXHAUSTED' in str(e):
-        return False
-      raise
-
-  if not fits(1):
-    return 0
-  low, high = 1, 2  # low fits; high is untested or does not fit
-  while high * unit <= max_batch and fits(high):
-    low, high = high, high * 2
-  high = min(high, max_batch // unit + 1)
-  while high - low > 1:
-    mid = (low + high) // 2
-    low, high = (mid, high) if fits(mid) else (low, mid)
-  return low * unit
-
-
-def usable_policies() -> tuple[str, ...]:
-  """The remat policies this backend can compile."""
-  if jax.default_backend() == 'gpu':
-    return remat_lib.POLICIES
-  return tuple(p for p in remat_lib.POLICIES if 'offloaded' not in p)

@@ -17,8 +17,9 @@ import optax
 import tqdm
 
 from coat_jax import optim
+from coat_jax.models import decoder
+from coat_jax.models import families
 from coat_jax.models import hf
-from coat_jax.models import llama
 from coat_jax.models import remat as remat_lib
 from coat_jax.models import sampling
 from coat_jax.training import checkpoints as checkpoints_lib
@@ -35,18 +36,6 @@ from coat_jax.training.checkpoints import Checkpointer
 class NonFiniteError(RuntimeError):
   """Raised with train.on_nonfinite='stop' when a step's loss or grads are not
   finite; the state was left as it was before that step."""
-
-
-def llama_config(model: config_lib.ModelConfig) -> llama.LlamaConfig:
-  overrides = {f.name: getattr(model, f.name)
-               for f in dataclasses.fields(model)
-               if f.name not in ('preset', 'precision', 'init_from', 'scaling',
-                                 'fuse_qkv', 'fp8_weight_gather')
-               and getattr(model, f.name) is not None}
-  if model.init_from is not None:
-    return hf.llama_config_from_hf(hf.read_hf_config(model.init_from),
-                                   overrides, prefix='model.')
-  return llama.LlamaConfig.preset(model.preset, **overrides)
 
 
 def data_config(config: config_lib.Config) -> config_lib.DataConfig:
@@ -119,6 +108,7 @@ class Setup:
 
   config: config_lib.Config
   mesh: jax.sharding.Mesh
+  architecture: decoder.DecoderConfig
   graphdef: Any
   tx: optax.GradientTransformation
   state_shardings: Any
@@ -142,7 +132,7 @@ _DETERMINISTIC_FLAGS = ('--xla_gpu_deterministic_ops',
                         '--xla_gpu_exclude_nondeterministic_ops')
 
 
-def check_deterministic_layers(model: llama.LlamaConfig,
+def check_deterministic_layers(model: decoder.DecoderConfig,
                                platform: str) -> None:
   """Raises ValueError naming the fix where XLA_FLAGS asks for XLA's
   deterministic GPU ops and the step would run unrolled layers there."""
@@ -177,60 +167,28 @@ def collective_options(num_devices: int, xla_flags: str = '') -> dict:
   return {COLLECTIVE_OVERLAP_FLAG: COLLECTIVE_OVERLAP_LIMIT}
 
 
-def build(config: config_lib.Config, devices=None) -> Setup:
-  """Builds the mesh, model, optimizer and jitted steps for `config`."""
-  devices = jax.devices() if devices is None else devices
-  config_lib.validate(config, len(devices))
-  model_cfg = llama_config(config.model)
-  remat_lib.jax_policy(remat_lib.resolve(  # offloading needs a GPU
-      config.model.remat, config.model.precision, model_cfg.scan_layers))
-  check_deterministic_layers(model_cfg, devices[0].platform)
-  mesh = sharding.make_mesh(
-      config_lib.mesh_shape(config.mesh, len(devices)), devices)
-  precision = config.model.precision
+def model_factory(config: config_lib.Config
+                  ) -> tuple[families.Family, decoder.DecoderConfig, Any]:
+  """(the family, its config, make_model) of config.model: make_model()
+  builds the model (random params from train.seed), unplaced."""
+  arch = config_lib.architecture(config.model)
+  family = families.of_config(arch)
+  recipe = config_lib.recipe(config.model)
 
   def make_model():
     # Placement comes from this module's fitted rules, not from eager
     # sharding by the logical names.
     with nnx.use_eager_sharding(False):
-      return llama.Llama(
-          model_cfg, precision=precision, scaling=config.model.scaling,
-          fuse_qkv=config.model.fuse_qkv,
-          fp8_weight_gather=config.model.fp8_weight_gather,
-          rngs=nnx.Rngs(config.train.seed))
+      return family.model(arch, recipe=recipe,
+                          rngs=nnx.Rngs(config.train.seed))
+  return family, arch, make_model
 
-  abstract_model = nnx.eval_shape(make_model)
-  graphdef, _ = nnx.split(abstract_model)
+
+def _state_shardings(config, mesh, abstract_model, abstract_state):
+  """The train state's NamedShardings: params by their logical axis names
+  (`sharding.param_specs`), each optimizer state leaf like its param."""
   names = {path: v.get_metadata().get('out_sharding') for path, v in
            nnx.to_flat_state(nnx.state(abstract_model, nnx.Param))}
-  tx = make_optimizer(config)
-  uses_fused = config_lib.uses_fused_optimizer(config.optim)
-
-  def model_params():
-    return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
-
-  def new_state(params):
-    return {'params': params, 'opt_state': tx.init(params),
-            'step': jnp.zeros((), jnp.int32),
-            'nonfinite': jnp.zeros((), jnp.int32)}
-
-  def init_state():
-    """A new run's state, placed: random params, or model.init_from's."""
-    if config.model.init_from is None:
-      # Made under jit, each device its own shard (partitionable threefry:
-      # the same values on any mesh). Made eagerly, the whole float32 params
-      # sat on one device first (Llama-2-7B, FSDP on 4 H200s: device 0
-      # peaked at 39.3 GiB at init, its step at 22.3; 13B: 76.4 and 36.5),
-      # so FSDP could not start a model larger than one GPU.
-      return jax.jit(lambda: new_state(model_params()),
-                     out_shardings=state_shardings)()
-    params = hf.load_hf_params(config.model.init_from,
-                               abstract_state['params'],
-                               state_shardings['params'])
-    return jax.jit(new_state, out_shardings=state_shardings,
-                   donate_argnums=0)(params)
-
-  abstract_state = jax.eval_shape(lambda: new_state(model_params()))
   group = (config.optim.group_size if config.optim.name == 'coat_adamw'
            else None)
   axis_names = jax.tree_util.tree_map_with_path(
@@ -243,68 +201,76 @@ def build(config: config_lib.Config, devices=None) -> Setup:
                                              p_specs),
            'step': jax.sharding.PartitionSpec(),
            'nonfinite': jax.sharding.PartitionSpec()}
-  state_shardings = sharding.named(mesh, specs, abstract_state)
-  # The params' specs as placed (`sharding.named` fits each to its leaf's
-  # shape), which the optimizer's per-shard kernels must match.
-  fused_update = (_fused_update(config, jax.tree.map(
-      lambda s: s.spec, state_shardings['params'])) if uses_fused else None)
-  batch_sharding = sharding.batch_sharding(mesh)
-  micro_sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, None))
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return sharding.named(mesh, specs, abstract_state)
 
+
+def _loss_and_grads(family, graphdef, num_layers: int, per_layer: bool):
+  """(params, inputs, targets) -> (loss, grads) of `family.loss`.
+
+  per_layer (unrolled layers, fused optimizer): the decoder layers' params
+  enter the loss as num_layers per-layer trees, so each stacked leaf's
+  gradient is a tuple of num_layers per-layer gradients, which XLA would
+  otherwise stack (a copy of every float32 gradient, fused with the norm);
+  where the fused optimizer's Pallas kernel runs, each layer then steps in
+  place (RESULTS.md "e2e-1b").
+  """
   def loss_fn(params, inputs, targets):
-    return llama.lm_loss(nnx.merge(graphdef, params), inputs, targets)
+    return family.loss(nnx.merge(graphdef, params), inputs, targets)
 
-  # Unrolled layers are slices of the stacked params, whose gradients XLA
-  # would stack (a copy of every float32 gradient, fused with the norm). With
-  # the fused optimizer they stay per layer and, where its Pallas kernel
-  # runs, each layer steps in place: the 1b step on an H200 went from 194.7
-  # to 189.5 ms (RESULTS.md "e2e-1b"). XLA's version stacks them itself.
-  per_layer_grads = fused_update is not None and not model_cfg.scan_layers
+  if not per_layer:
+    return jax.value_and_grad(loss_fn)
 
   def loss_and_grads(params, inputs, targets):
-    """(loss, grads); with per_layer_grads each stacked layer leaf's
-    gradient is a tuple of num_layers per-layer gradients."""
-    if not per_layer_grads:
-      return jax.value_and_grad(loss_fn)(params, inputs, targets)
-    stacked = params['layers']
-    rest = {k: v for k, v in params.items() if k != 'layers'}
+    stacked = params[LAYERS]
+    rest = {k: v for k, v in params.items() if k != LAYERS}
     layers = [jax.tree.map(lambda a, i=i: a[i], stacked)
-              for i in range(model_cfg.num_layers)]
+              for i in range(num_layers)]
 
     def loss_of(rest, layers):
-      model = nnx.merge(graphdef, {**rest, 'layers': stacked})
-      return llama.lm_loss(model, inputs, targets, layers=layers)
+      model = nnx.merge(graphdef, {**rest, LAYERS: stacked})
+      return family.loss(model, inputs, targets, layers=layers)
 
     loss, (grads, layer_grads) = jax.value_and_grad(
         loss_of, argnums=(0, 1))(rest, layers)
-    grads['layers'] = jax.tree.map(lambda *g: g, *layer_grads)
+    grads[LAYERS] = jax.tree.map(lambda *g: g, *layer_grads)
     return loss, grads
 
+  return loss_and_grads
+
+
+def _accumulated(loss_and_grads, n: int, micro_sharding):
+  """loss_and_grads over `n` microbatches of the batch: their mean."""
+  if n == 1:
+    return loss_and_grads
+
+  def mean_over_microbatches(params, inputs, targets):
+    split = lambda x: jax.lax.with_sharding_constraint(
+        x.reshape((n, x.shape[0] // n) + x.shape[1:]), micro_sharding)
+    batches = (split(inputs), split(targets))
+
+    def accumulate(carry, batch):
+      return jax.tree.map(jnp.add, carry,
+                          loss_and_grads(params, *batch)), None
+
+    zero = jax.tree.map(
+        lambda a: jnp.zeros(a.shape, a.dtype),
+        jax.eval_shape(loss_and_grads, params,
+                       *jax.tree.map(lambda x: x[0], batches)))
+    total, _ = jax.lax.scan(accumulate, zero, batches)
+    return jax.tree.map(lambda x: x / n, total)
+
+  return mean_over_microbatches
+
+
+def _train_step(loss_and_grads, tx, fused_update):
+  """(state, inputs, targets) -> (state, metrics): one optimizer step; a
+  step whose loss or gradient norm is not finite changes nothing but the
+  step and the fault count."""
   def train_step(state, inputs, targets):
     params = state['params']
-    n = config.train.microbatches
-    if n == 1:
-      loss, grads = loss_and_grads(params, inputs, targets)
-    else:
-      split = lambda x: jax.lax.with_sharding_constraint(
-          x.reshape((n, x.shape[0] // n) + x.shape[1:]), micro_sharding)
-      batches = (split(inputs), split(targets))
-
-      def accumulate(carry, batch):
-        return jax.tree.map(jnp.add, carry,
-                            loss_and_grads(params, *batch)), None
-
-      zero = jax.tree.map(
-          lambda a: jnp.zeros(a.shape, a.dtype),
-          jax.eval_shape(loss_and_grads, params,
-                         *jax.tree.map(lambda x: x[0], batches)))
-      (loss, grads), _ = jax.lax.scan(accumulate, zero, batches)
-      loss, grads = jax.tree.map(lambda x: x / n, (loss, grads))
+    loss, grads = loss_and_grads(params, inputs, targets)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    # A non-finite step changes nothing but the step and the fault count.
     if fused_update is None:
       updates, opt_state = tx.update(grads, state['opt_state'], params)
       new_params, opt_state = jax.tree.map(
@@ -322,18 +288,82 @@ def build(config: config_lib.Config, devices=None) -> Setup:
     }
     return new_state, {'loss': loss, 'grad_norm': grad_norm,
                        'finite': finite}
+  return train_step
+
+
+# The decoder's stacked layer params (`decoder.Decoder.layers`).
+LAYERS = 'layers'
+
+
+def build(config: config_lib.Config, devices=None) -> Setup:
+  """Builds the mesh, model, optimizer and jitted steps for `config`."""
+  devices = jax.devices() if devices is None else devices
+  config_lib.validate(config, len(devices))
+  family, arch, make_model = model_factory(config)
+  recipe = config_lib.recipe(config.model)
+  remat_lib.jax_policy(remat_lib.resolve(  # offloading needs a GPU
+      arch.remat, recipe, arch.scan_layers))
+  check_deterministic_layers(arch, devices[0].platform)
+  mesh = sharding.make_mesh(
+      config_lib.mesh_shape(config.mesh, len(devices)), devices)
+
+  abstract_model = nnx.eval_shape(make_model)
+  graphdef, _ = nnx.split(abstract_model)
+  tx = make_optimizer(config)
+
+  def model_params():
+    return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
+
+  def new_state(params):
+    return {'params': params, 'opt_state': tx.init(params),
+            'step': jnp.zeros((), jnp.int32),
+            'nonfinite': jnp.zeros((), jnp.int32)}
+
+  abstract_state = jax.eval_shape(lambda: new_state(model_params()))
+  state_shardings = _state_shardings(config, mesh, abstract_model,
+                                     abstract_state)
+
+  def init_state():
+    """A new run's state, placed: random params, or model.init_from's."""
+    if config.model.init_from is None:
+      # Made under jit, each device its own shard (partitionable threefry:
+      # the same values on any mesh). Made eagerly, the whole float32 params
+      # would sit on one device first, so FSDP could not start a model
+      # larger than one GPU.
+      return jax.jit(lambda: new_state(model_params()),
+                     out_shardings=state_shardings)()
+    params = hf.load_hf_params(config.model.init_from,
+                               abstract_state['params'],
+                               state_shardings['params'],
+                               norm_names=family.norm_names)
+    return jax.jit(new_state, out_shardings=state_shardings,
+                   donate_argnums=0)(params)
+
+  uses_fused = config_lib.uses_fused_optimizer(config.optim)
+  # The params' specs as placed (`sharding.named` fits each to its leaf's
+  # shape), which the optimizer's per-shard kernels must match.
+  fused_update = (_fused_update(config, jax.tree.map(
+      lambda s: s.spec, state_shardings['params'])) if uses_fused else None)
+  batch_sharding = sharding.batch_sharding(mesh)
+  micro_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, None))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  loss_and_grads = _accumulated(
+      _loss_and_grads(family, graphdef, arch.num_layers,
+                      per_layer=uses_fused and not arch.scan_layers),
+      config.train.microbatches, micro_sharding)
 
   def eval_step(params, inputs, targets):
-    return loss_fn(params, inputs, targets)
+    return family.loss(nnx.merge(graphdef, params), inputs, targets)
 
   train_step = jax.jit(
-      train_step, in_shardings=(state_shardings, batch_sharding,
-                                batch_sharding),
+      _train_step(loss_and_grads, tx, fused_update),
+      in_shardings=(state_shardings, batch_sharding, batch_sharding),
       out_shardings=(state_shardings, replicated), donate_argnums=0,
       compiler_options=collective_options(
           mesh.size, os.environ.get('XLA_FLAGS', '')))
   return Setup(
-      config=config, mesh=mesh, graphdef=graphdef, tx=tx,
+      config=config, mesh=mesh, architecture=arch, graphdef=graphdef, tx=tx,
       state_shardings=state_shardings, abstract_state=abstract_state,
       init_state=init_state,
       train_step=train_step,
@@ -430,7 +460,7 @@ def train(config: config_lib.Config, devices=None) -> dict:
       print(mem.format(), flush=True)
     memory.check_fits(mem, config)
   data = data_config(config)
-  dataset = data_lib.load_dataset(data, llama_config(config.model).vocab_size)
+  dataset = data_lib.load_dataset(data, setup.architecture.vocab_size)
   tokenizer = tokenizer_lib.for_data(data)
   os.makedirs(t.run_dir, exist_ok=True)
   if lead:

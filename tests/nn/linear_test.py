@@ -1,11 +1,14 @@
 """FP8 linear layer: numerics against float32, residuals, module, errors."""
 
+import dataclasses
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import coat_jax
 import coat_jax.nn as cnn
 from coat_jax.nn import linear
 from coat_jax.quant import fp8_max
@@ -227,10 +230,8 @@ def test_block_fused_is_one_gemm_each_way_with_the_parts_own_codes(
     assert _rel(a, _ref(x, w)) < 0.06
 
 
-@pytest.mark.parametrize('precision,scaling', [
-    ('bf16', 'tensor'), ('coat', 'tensor'), ('coat', 'block')])
-def test_residual_joins_the_output_and_takes_its_gradient(precision,
-                                                          scaling):
+@pytest.mark.parametrize('recipe', ['bf16', 'coat', 'coat_block'])
+def test_residual_joins_the_output_and_takes_its_gradient(recipe):
   """residual + x @ w (a skip connection): the output plus the residual,
   rounded once ('block': in the GEMM, so within one bf16 step of the
   separately rounded sum; elsewhere XLA's add, the same bits); the
@@ -241,15 +242,15 @@ def test_residual_joins_the_output_and_takes_its_gradient(precision,
   w = jax.random.normal(k[1], (128, 256)) * 0.1
   r = jax.random.normal(k[2], (2, 40, 256), jnp.bfloat16) * 4
   dy = jax.random.normal(k[3], (2, 40, 256), jnp.bfloat16)
-  run = lambda x, w, r=None: cnn.dense(
-      x, [w], precision=precision, scaling=scaling, residual=r)[0]
+  run = lambda x, w, r=None: linear.dense(
+      x, [w], recipe=recipe, residual=r)[0]
   y, vjp = jax.vjp(run, x, w, r)
   dx, dw, dr = vjp(dy)
   y0, vjp0 = jax.vjp(run, x, w)
   dx0, dw0 = vjp0(dy)
   want = np.asarray(r, np.float32) + np.asarray(y0, np.float32)
   got = np.asarray(y, np.float32)
-  if scaling == 'block':
+  if recipe == 'coat_block':
     # Half a bf16 step of y0 (2^-8 |y0|) and of the sum (2^-8 |r + y0|).
     bound = (np.abs(np.asarray(r, np.float32))
              + np.abs(np.asarray(y0, np.float32))) * 2.0**-7
@@ -295,7 +296,7 @@ def test_grad_amax_slot_takes_max_abs_g_from_its_cotangent(shape):
       argnums=(0, 1, 2)))(x, w, r)
   for got, expected in (
       (vjp((dy, amax)), want),
-      (grad(lambda *a: cnn.fill_grad_amax_slot(*run(*a))), grad(plain))):
+      (grad(lambda *a: linear.fill_grad_amax_slot(*run(*a))), grad(plain))):
     for a, b in zip(got, expected, strict=True):
       np.testing.assert_array_equal(np.asarray(a, np.float32),
                                     np.asarray(b, np.float32))
@@ -305,7 +306,7 @@ def test_grad_amax_slot_takes_max_abs_g_from_its_cotangent(shape):
   assert not np.array_equal(np.asarray(dw), np.asarray(want[1]))
   # A NaN in g: max |g| is NaN and so are the gradients (NaN never passes).
   nan_dy = dy.reshape(-1, 256).at[5, 7].set(jnp.nan).reshape(dy.shape)
-  _, fill_vjp = jax.vjp(cnn.fill_grad_amax_slot, y, slot)
+  _, fill_vjp = jax.vjp(linear.fill_grad_amax_slot, y, slot)
   assert np.isnan(float(fill_vjp(nan_dy)[1]))
 
 
@@ -317,7 +318,7 @@ def test_grad_amax_slot_errors_name_the_setting():
   with pytest.raises(ValueError, match='grad_amax_slot needs one kernel'):
     cnn.fp8_dense(x, ws[:1], scaling='block', grad_amax_slot=True)
   with pytest.raises(ValueError, match='grad_amax_slot needs FP8 matmuls'):
-    cnn.dense(x, ws[:1], precision='bf16', grad_amax_slot=True)
+    linear.dense(x, ws[:1], recipe='bf16', grad_amax_slot=True)
   layer = cnn.CoatLinear(128, 128, rngs=nnx.Rngs(0))
   y, slot = layer(x, grad_amax_slot=True)
   assert y.shape == (2, 16, 128) and slot.shape == ()
@@ -332,7 +333,7 @@ def test_residual_errors_name_the_argument():
     cnn.fp8_dense(x, ws[:1], scaling='block',
                   residual=jnp.ones((2, 16, 128), jnp.float32))
   with pytest.raises(ValueError, match='residual has shape'):
-    cnn.dense(x, ws[:1], precision='bf16',
+    linear.dense(x, ws[:1], recipe='bf16',
               residual=jnp.ones((16, 128), jnp.bfloat16))
 
 
@@ -359,7 +360,7 @@ def test_nan_input_gives_nan_output():
 
 @pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
 def test_module_mirrors_nnx_linear(precision):
-  layer = cnn.CoatLinear(64, 32, precision=precision, rngs=nnx.Rngs(0))
+  layer = cnn.CoatLinear(64, 32, recipe=precision, rngs=nnx.Rngs(0))
   ref = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
   assert layer.kernel.shape == (64, 32) and layer.kernel.dtype == jnp.float32
   assert layer.bias.shape == (32,)
@@ -381,10 +382,15 @@ def test_module_records_logical_axes():
 
 def test_errors_name_the_argument():
   with pytest.raises(ValueError, match='in_features=40 must be a multiple'):
-    cnn.CoatLinear(40, 32, precision='coat', rngs=nnx.Rngs(0))
-  cnn.CoatLinear(40, 30, precision='bf16', rngs=nnx.Rngs(0))  # fine in bf16
+    cnn.CoatLinear(40, 32, recipe='coat', rngs=nnx.Rngs(0))
+  cnn.CoatLinear(40, 30, recipe='bf16', rngs=nnx.Rngs(0))  # fine in bf16
   with pytest.raises(ValueError, match='precision='):
     cnn.CoatLinear(32, 32, precision='fp8', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='recipe='):
+    cnn.CoatLinear(32, 32, recipe='fp8', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='both given'):
+    cnn.CoatLinear(32, 32, recipe='coat', precision='coat',
+                   rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match='floating'):
     cnn.fp8_dense(jnp.ones((16, 32), jnp.int32), [jnp.ones((32, 16))])
   with pytest.raises(ValueError, match=r'kernels\[0\] has shape'):
@@ -443,7 +449,7 @@ def test_block_vs_tensor_vs_bf16_against_float32(shape):
   ref = fwd_bwd(_ref)
   errs = {}
   for name, fn in (('block', _block), ('tensor', _fp8),
-                   ('bf16', lambda a, b: cnn.bf16_dense(a, [b])[0])):
+                   ('bf16', lambda a, b: linear.bf16_dense(a, [b])[0])):
     out = jax.jit(lambda f=fn: fwd_bwd(f))()
     assert out[0].shape == ref[0].shape and out[1].shape == x.shape
     errs[name] = [_rel(a, b) for a, b in zip(out, ref)]
@@ -543,19 +549,20 @@ def test_block_nan_stays_in_its_token():
 
 
 def test_block_module_and_errors():
-  layer = cnn.CoatLinear(128, 64, scaling='block', rngs=nnx.Rngs(0))
+  layer = cnn.CoatLinear(128, 64, recipe='coat_block', rngs=nnx.Rngs(0))
   x = jax.random.normal(_key(), (2, 5, 128), jnp.bfloat16)
   y = nnx.jit(lambda m, v: m(v))(layer, x)
   want = cnn.fp8_dense(x, [layer.kernel[...]], scaling='block')[0]
   np.testing.assert_array_equal(np.asarray(y, np.float32),
                                 np.asarray(want + layer.bias[...], np.float32))
   with pytest.raises(ValueError, match="scaling='row'"):
-    cnn.CoatLinear(128, 64, scaling='row', rngs=nnx.Rngs(0))
+    cnn.CoatLinear(128, 64, recipe=dataclasses.replace(
+        coat_jax.recipes.COAT, scaling='row'), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='scaling'):
     cnn.fp8_dense(x, [layer.kernel[...]], scaling='rows')
   other = cnn.CoatLinear(128, 64, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match='scaling'):
-    cnn.fanout(x, [layer, other])
+  with pytest.raises(ValueError, match='must share recipe'):
+    linear.fanout(x, [layer, other])
 
 
 @pytest.mark.gpu
@@ -609,3 +616,24 @@ def test_weight_grads_summed_across_devices_leave_their_gemm_in_bf16():
     assert summed.dtype == jnp.float32 and in_bf16(summed), shape
     assert np.all(np.isfinite(np.asarray(summed)))
     np.testing.assert_allclose(summed, one, rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize('scaling', ['tensor', 'block'])
+def test_grad_dtype_e4m3_quantizes_gradients_more_finely(scaling):
+  """grad_dtype='e4m3' (one more mantissa bit than E5M2) takes the output
+  gradients to E4M3: dx and dw land closer to float32's on Gaussian data."""
+  k = jax.random.split(_key(), 3)
+  x = jax.random.normal(k[0], (4, 64, 256), jnp.bfloat16)
+  w = jax.random.normal(k[1], (256, 128)) * 0.05
+  dy = jax.random.normal(k[2], (4, 64, 128), jnp.bfloat16)
+  _, vjp = jax.vjp(lambda x, w: jnp.dot(x.astype(jnp.float32), w), x, w)
+  want = vjp(dy.astype(jnp.float32))
+  errors = {}
+  for grad_dtype in ('e5m2', 'e4m3'):
+    _, vjp = jax.vjp(lambda x, w, g=grad_dtype: cnn.fp8_dense(
+        x, [w], scaling=scaling, grad_dtype=g)[0], x, w)
+    errors[grad_dtype] = [_rel(got, ref) for got, ref in zip(vjp(dy), want)]
+  for e4m3, e5m2 in zip(errors['e4m3'], errors['e5m2']):
+    assert e4m3 < 0.75 * e5m2, errors
+  with pytest.raises(ValueError, match='grad_dtype'):
+    cnn.fp8_dense(x, [w], grad_dtype='e3m4')

@@ -70,7 +70,7 @@ def test_swiglu_saves_only_fp8_groups():
 
 
 def _mlp_grads(precision, params_from, x, dy):
-  mlp = cnn.CoatMLP(64, 176, precision=precision, rngs=nnx.Rngs(0))
+  mlp = cnn.CoatMLP(64, 176, recipe=precision, rngs=nnx.Rngs(0))
   graph, state = nnx.split(mlp)
   if params_from is not None:
     state = params_from
@@ -107,7 +107,7 @@ def test_coat_mlp_one_rule_matches_the_layers_composed():
   x = jax.random.normal(k[0], (2, 21, 64), jnp.bfloat16)
   dy = jax.random.normal(k[1], (2, 21, 64), jnp.bfloat16)
   graph, state = nnx.split(
-      cnn.CoatMLP(64, 176, precision='coat', rngs=nnx.Rngs(1)))
+      cnn.CoatMLP(64, 176, recipe='coat', rngs=nnx.Rngs(1)))
 
   def composed(state, x):
     m = nnx.merge(graph, state)
@@ -142,7 +142,7 @@ def test_coat_mlp_one_rule_matches_the_layers_composed():
 
 def test_errors():
   with pytest.raises(ValueError, match='hidden_features=100 must be'):
-    cnn.CoatMLP(64, 100, precision='coat', rngs=nnx.Rngs(0))
+    cnn.CoatMLP(64, 100, recipe='coat', rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='same shape'):
     cnn.fp8_swiglu(jnp.ones((2, 32)), jnp.ones((2, 16)))
   with pytest.raises(ValueError, match=r'gate.shape\[-1\]=24'):

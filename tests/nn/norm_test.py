@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 import coat_jax.nn as cnn
+from coat_jax.nn import norm as norm_lib
+from coat_jax.nn import residuals
 from pallas_kernels.rms_norm_fp8 import reference as norm_reference
 
 
@@ -75,7 +77,7 @@ def test_saves_fp8_groups_e8m0_scales_and_rstd():
   assert [(r.shape, str(r.dtype)) for r in res] == [
       ((2, 40, 128), 'float8_e4m3fn'), ((2, 40, 8), 'float8_e8m0fnu'),
       ((2, 40, 1), 'float32')]
-  per_element = cnn.nbytes(res) / x.size
+  per_element = residuals.nbytes(res) / x.size
   # 1 (code) + 1/16 (E8M0 scale) + 4/128 (rstd): 1.094 bytes vs 2 for bf16.
   print(f'fp8_rms_norm saves {per_element:.4f} bytes/element'
         ' (bf16 scales: 1.1563, fp32: 1.2813)')
@@ -117,10 +119,10 @@ def test_with_input_adds_the_residual_gradient_before_rounding(
 
   grads = jax.jit(grads, static_argnums=0)
 
-  fused = grads(cnn.fp8_rms_norm_with_input, x, scale)
+  fused = grads(norm_lib.fp8_rms_norm_with_input, x, scale)
   separate = grads(lambda x, s: (x, cnn.fp8_rms_norm(x, s)), x, scale)
   jaxpr = str(jax.make_jaxpr(
-      lambda x, s: jax.vjp(cnn.fp8_rms_norm_with_input, x, s)[1](
+      lambda x, s: jax.vjp(norm_lib.fp8_rms_norm_with_input, x, s)[1](
           (g_x, g_y, jnp.float32(0))))(x, scale))
   assert ('rms_norm_fp8_bwd' in jaxpr) == (implementation == 'pallas')
   (x_out, y), (dx, ds) = fused
@@ -157,8 +159,8 @@ def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, pick_pallas):
   x, scale, g_x, g_y = _with_input_case(implementation, pick_pallas)
   slot = jnp.zeros((), jnp.float32)
   cases = [
-      (lambda x, s: cnn.fp8_rms_norm_with_input(x, scale, grad_amax_slot=s),
-       lambda x: cnn.fp8_rms_norm_with_input(x, scale),
+      (lambda x, s: norm_lib.fp8_rms_norm_with_input(x, scale, grad_amax_slot=s),
+       lambda x: norm_lib.fp8_rms_norm_with_input(x, scale),
        lambda g: (g_x, g, jnp.float32(0))),
       (lambda x, s: cnn.fp8_rms_norm(x, scale, grad_amax_slot=s),
        lambda x: cnn.fp8_rms_norm(x, scale), lambda g: g)]
@@ -181,11 +183,11 @@ def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, pick_pallas):
 def test_grad_amax_slot_errors_name_the_setting():
   x = jnp.ones((3, 64), jnp.bfloat16)
   slot = jnp.zeros((), jnp.float32)
-  with pytest.raises(ValueError, match="grad_amax_slot needs precision"):
-    cnn.CoatRMSNorm(64, precision='bf16', rngs=nnx.Rngs(0))(
+  with pytest.raises(ValueError, match="grad_amax_slot needs a recipe"):
+    cnn.CoatRMSNorm(64, recipe='bf16', rngs=nnx.Rngs(0))(
         x, grad_amax_slot=slot)
-  with pytest.raises(ValueError, match="grad_amax_slot needs precision"):
-    cnn.CoatRMSNorm(64, precision='coat', rngs=nnx.Rngs(0)).with_input(
+  with pytest.raises(ValueError, match="grad_amax_slot needs a recipe"):
+    cnn.CoatRMSNorm(64, recipe='coat', rngs=nnx.Rngs(0)).with_input(
         x.astype(jnp.float32), grad_amax_slot=slot)
   with pytest.raises(ValueError, match='float32 scalar slot'):
     cnn.fp8_rms_norm(x, jnp.ones((64,)), grad_amax_slot=jnp.zeros((1,)))
@@ -193,7 +195,7 @@ def test_grad_amax_slot_errors_name_the_setting():
 
 @pytest.mark.parametrize('precision', ['bf16', 'coat'])
 def test_with_input_module(precision):
-  norm = cnn.CoatRMSNorm(64, precision=precision, rngs=nnx.Rngs(0))
+  norm = cnn.CoatRMSNorm(64, recipe=precision, rngs=nnx.Rngs(0))
   x = jax.random.normal(_key(), (3, 5, 64), jnp.bfloat16)
   x_out, y, y_amax = nnx.jit(lambda m, x: m.with_input(x))(norm, x)
   np.testing.assert_array_equal(x_out, x)
@@ -208,7 +210,7 @@ def test_with_input_module(precision):
 
 @pytest.mark.parametrize('precision', ['bf16', 'coat'])
 def test_module(precision):
-  norm = cnn.CoatRMSNorm(64, precision=precision, scale_axes=('norm',),
+  norm = cnn.CoatRMSNorm(64, recipe=precision, scale_axes=('norm',),
                          rngs=nnx.Rngs(0))
   assert norm.scale.shape == (64,) and norm.scale.dtype == jnp.float32
   assert norm.scale.get_metadata()['out_sharding'] == ('norm',)
@@ -220,8 +222,8 @@ def test_module(precision):
 
 def test_errors():
   with pytest.raises(ValueError, match='num_features=40 must be a multiple'):
-    cnn.CoatRMSNorm(40, precision='coat', rngs=nnx.Rngs(0))
-  cnn.CoatRMSNorm(40, precision='fp8_linear', rngs=nnx.Rngs(0))  # BF16 norm
+    cnn.CoatRMSNorm(40, recipe='coat', rngs=nnx.Rngs(0))
+  cnn.CoatRMSNorm(40, recipe='fp8_linear', rngs=nnx.Rngs(0))  # BF16 norm
   with pytest.raises(ValueError, match=r'x.shape\[-1\]=40'):
     cnn.fp8_rms_norm(jnp.ones((2, 40)), jnp.ones((40,)))
   with pytest.raises(ValueError, match='scale has shape'):

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+from coat_jax.nn import activations
 from coat_jax.nn import fsdp
 from coat_jax.nn import linear
 from coat_jax.nn import mlp
@@ -86,9 +87,9 @@ def test_rms_norm_forward_and_backward_per_shard(on_gpus):
 
   def fn(x, g, residual_grad):
     (y, y_amax), (xq, rstd, _) = norm._fp8_rms_norm_with_amax_fwd(
-        x, scale, 1e-5)
-    grads = norm._fp8_rms_norm_bwd(1e-5, (xq, rstd, scale), g)
-    with_residual = norm._fp8_rms_norm_bwd(1e-5, (xq, rstd, scale), g,
+        x, scale, 1e-5, 16)
+    grads = norm._fp8_rms_norm_bwd(1e-5, 16, (xq, rstd, scale), g)
+    with_residual = norm._fp8_rms_norm_bwd(1e-5, 16, (xq, rstd, scale), g,
                                            residual_grad)
     return y, y_amax, xq.values, xq.scale, rstd, grads, with_residual
 
@@ -110,8 +111,8 @@ def test_swiglu_forward_and_backward_per_shard(on_gpus):
                   for i in range(3))
 
   def fn(gate, up, dh):
-    (h, h_amax), residuals = mlp._fp8_swiglu_fwd(gate, up)
-    return h, h_amax, residuals, mlp._swiglu_grads(residuals, (dh, None))
+    (h, h_amax), residuals = activations.fp8_swiglu_fwd(gate, up, 16)
+    return h, h_amax, residuals, activations.fp8_swiglu_grads(residuals, (dh, None))
 
   outs, jaxpr, whole = _per_shard_and_whole(fn, gate, up, dh)
   assert jaxpr.count('shard_map') == 2
@@ -161,7 +162,7 @@ def test_nan_on_one_device_reaches_every_amax(on_gpus):
   with jax.set_mesh(mesh):
     (xs,) = _sharded(mesh, x)
     (_, y_amax), _ = jax.jit(
-        lambda x: norm._fp8_rms_norm_with_amax_fwd(x, scale, 1e-5))(xs)
+        lambda x: norm._fp8_rms_norm_with_amax_fwd(x, scale, 1e-5, 16))(xs)
   assert np.isnan(float(y_amax))
 
 

@@ -1,6 +1,7 @@
-"""Exports the latest checkpoint of a train.py run as a Hugging Face Llama.
+"""Exports the latest checkpoint of a train.py run as a Hugging Face
+checkpoint of its family.
 
-  python -m coat_jax.models.export RUN_DIR OUT_DIR [--dtype bfloat16]
+  python -m coat_jax.export RUN_DIR OUT_DIR [--dtype bfloat16]
 
 Reads RUN_DIR/config.json (written by train.py) and the newest checkpoint
 under RUN_DIR/checkpoints, then writes OUT_DIR/config.json and safetensors
@@ -29,16 +30,7 @@ def load_run_config(run_dir: str):
     raise FileNotFoundError(f'{file}: no such file; RUN_DIR must be a'
                             ' train.py run directory (train.run_dir).')
   with open(file) as f:
-    saved = json.load(f)
-  sections = {}
-  for field in dataclasses.fields(config_lib.Config):
-    cls = field.default_factory
-    values = saved.get(field.name, {})
-    known = {f.name for f in dataclasses.fields(cls)}
-    sections[field.name] = cls(**{
-        k: tuple(v) if isinstance(v, list) else v
-        for k, v in values.items() if k in known})
-  return config_lib.Config(**sections)
+    return config_lib.from_dict(json.load(f))
 
 
 def export(run_dir: str, out_dir: str, *, dtype: str = 'float32',
