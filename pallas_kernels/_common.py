@@ -1,4 +1,4 @@
-"""Shared pieces of the kernels: FP8 formats, exact float ops, dispatch.
+"""Shared pieces of the kernels: FP8 formats, exact float ops, tiling.
 
 Pure jnp where possible. The `Ops` bundle holds the operations whose
 lowering may differ between XLA and Pallas-Triton (division, square root):
@@ -8,7 +8,6 @@ group math runs in both, so that a kernel rounds like its reference.
 
 from collections.abc import Callable
 import dataclasses
-import functools
 import math
 from typing import Any
 import warnings
@@ -17,6 +16,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import _device
+from pallas_kernels import dispatch
 
 try:
   from jax.experimental import pallas as pl
@@ -34,7 +36,9 @@ FORMATS = {
     'e4m3': np.dtype(jnp.float8_e4m3fn),
     'e5m2': np.dtype(jnp.float8_e5m2),
 }
-IMPLEMENTATIONS = (None, 'xla', 'pallas')
+# The values of every `implementation=` argument (coat_jax.optim checks its
+# own against them).
+IMPLEMENTATIONS = (None, *dispatch.IMPLEMENTATIONS)
 
 
 def fp8_dtype(dtype: Any, argname: str = 'dtype') -> np.dtype:
@@ -332,26 +336,10 @@ def kernel_ops(interpret: bool) -> Ops:
 USE_IEEE_OPS = False
 
 
-@functools.cache
-def gpus_run_pallas() -> bool:
-  """Whether the default backend's devices are GPUs with FP8 (Hopper or
-  newer), which run this package's kernels: on one device, or on each
-  device's shard inside the caller's `jax.shard_map`."""
-  if jax.default_backend() != 'gpu' or pltriton is None:
-    return False
-  try:
-    return all(float(getattr(d, 'compute_capability', '0')) >= 9.0
-               for d in jax.devices())
-  except ValueError:
-    return False
-
-
-@functools.cache
-def _gpu_supports_pallas() -> bool:
-  """Whether the default backend is one GPU with FP8 (Hopper or newer)."""
-  # pallas_call has no partitioning rule: under a multi-device jit it would
-  # be replicated. Call with implementation='pallas' inside shard_map.
-  return gpus_run_pallas() and len(jax.devices()) == 1
+# coat_jax's question (`coat_jax.nn.fsdp`, `coat_jax.optim.fused`): do the
+# default backend's devices compile the kernels, each on its shard inside
+# the caller's `jax.shard_map`?
+gpus_run_pallas = _device.has_fp8_gpus
 
 
 def check_parts(parts) -> tuple[jax.Array, ...]:
@@ -368,31 +356,6 @@ def check_parts(parts) -> tuple[jax.Array, ...]:
     raise TypeError(f'parts have dtype {parts[0].dtype}; quantization needs'
                     ' floating arrays (cast with x.astype(jnp.float32)).')
   return parts
-
-
-def resolve_implementation(
-    implementation: str | None, pallas_default: bool = True
-) -> tuple[str, bool]:
-  """Picks the backend: returns ('xla' | 'pallas', interpret).
-
-  Args:
-    implementation: None (fastest available: Pallas on one Hopper GPU when
-      `pallas_default`, else XLA), 'xla', or 'pallas' (compiled on a GPU,
-      interpreted elsewhere, e.g. on CPU for tests).
-    pallas_default: whether Pallas is the measured winner for this op.
-  """
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f'implementation={implementation!r} must be one of {IMPLEMENTATIONS}:'
-        ' None picks the fastest available.')
-  if implementation is None:
-    use = pallas_default and _gpu_supports_pallas()
-    return ('pallas', False) if use else ('xla', False)
-  if implementation == 'xla':
-    return 'xla', False
-  if pl is None:
-    raise ValueError('implementation="pallas" needs jax.experimental.pallas.')
-  return 'pallas', jax.default_backend() != 'gpu'
 
 
 def compiler_params(num_warps: int, num_stages: int):
