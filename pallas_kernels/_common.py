@@ -10,7 +10,6 @@ from collections.abc import Callable
 import dataclasses
 import math
 from typing import Any
-import warnings
 
 import jax
 from jax import lax
@@ -26,11 +25,6 @@ try:
 except ImportError:  # pragma: no cover
   pl = None
   pltriton = None
-
-# jax >= 0.11 warns that Pallas' Triton lowering is deprecated. These kernels
-# use it on purpose (DESIGN section 5); silence only that message.
-warnings.filterwarnings(
-    'ignore', message=r'.*Triton (backend|lowering).*deprecated.*')
 
 FORMATS = {
     'e4m3': np.dtype(jnp.float8_e4m3fn),
