@@ -85,8 +85,8 @@ def clamp(x: jax.Array, lo: float, hi: float) -> jax.Array:
 
   Not `clip`'s selects: `jnp.where(x > hi, hi, x)` broadcasts the constant
   to x's shape, and under `lax.scan` autodiff jax hoists such constant-only
-  values out of the loop and carries them as materialized arrays (on the 1b
-  model: 2 GiB of them, read by every layer).
+  values out of the loop and carries them as materialized arrays, read by
+  every layer.
   """
   return lax.clamp(jnp.asarray(lo, x.dtype), x, jnp.asarray(hi, x.dtype))
 
