@@ -1,4 +1,4 @@
-"""Shared pieces of the kernels: FP8 formats, exact float ops, dispatch.
+"""Shared pieces of the kernels: FP8 formats, exact float ops, tiling.
 
 Pure jnp where possible. The `Ops` bundle holds the operations whose
 lowering may differ between XLA and Pallas-Triton (division, square root):
@@ -8,15 +8,16 @@ group math runs in both, so that a kernel rounds like its reference.
 
 from collections.abc import Callable
 import dataclasses
-import functools
 import math
 from typing import Any
-import warnings
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import _device
+from pallas_kernels import dispatch
 
 try:
   from jax.experimental import pallas as pl
@@ -25,16 +26,13 @@ except ImportError:  # pragma: no cover
   pl = None
   pltriton = None
 
-# jax >= 0.11 warns that Pallas' Triton lowering is deprecated. These kernels
-# use it on purpose (DESIGN section 5); silence only that message.
-warnings.filterwarnings(
-    'ignore', message=r'.*Triton (backend|lowering).*deprecated.*')
-
 FORMATS = {
     'e4m3': np.dtype(jnp.float8_e4m3fn),
     'e5m2': np.dtype(jnp.float8_e5m2),
 }
-IMPLEMENTATIONS = (None, 'xla', 'pallas')
+# The values of every `implementation=` argument (coat_jax.optim checks its
+# own against them).
+IMPLEMENTATIONS = (None, *dispatch.IMPLEMENTATIONS)
 
 
 def fp8_dtype(dtype: Any, argname: str = 'dtype') -> np.dtype:
@@ -87,8 +85,8 @@ def clamp(x: jax.Array, lo: float, hi: float) -> jax.Array:
 
   Not `clip`'s selects: `jnp.where(x > hi, hi, x)` broadcasts the constant
   to x's shape, and under `lax.scan` autodiff jax hoists such constant-only
-  values out of the loop and carries them as materialized arrays (on the 1b
-  model: 2 GiB of them, read by every layer).
+  values out of the loop and carries them as materialized arrays, read by
+  every layer.
   """
   return lax.clamp(jnp.asarray(lo, x.dtype), x, jnp.asarray(hi, x.dtype))
 
@@ -210,13 +208,9 @@ class Ops:
       the GPU its simplifier rewrites it to x / (y * z).
     sqrt: float32 square root.
     clip: clip(x, lo, hi) to scalar bounds, NaN propagated.
-    log, exp: natural log and exp of the group math, or None for jnp's
-      (`approx_transcendentals` swaps in the GPU's approximate instructions).
     log2, exp2: base-2 log and exp; when set, the group math with expansion
       runs in the log2 domain (`quantize_per_group.log2_math`, fewer
       operations per element) instead of the reference's expressions.
-    code_log2: (codes, dtype) -> log2(|q| / fp8_max) for the log2 domain's
-      decode, or None for log2 |q| - log2 fp8_max by `log2`.
   """
 
   div: Callable[[Any, Any], jax.Array]
@@ -224,11 +218,8 @@ class Ops:
   div2: Callable[[Any, Any, Any], jax.Array]
   sqrt: Callable[[Any], jax.Array]
   clip: Callable[[Any, float, float], jax.Array] = clamp
-  log: Callable[[Any], jax.Array] | None = None
-  exp: Callable[[Any], jax.Array] | None = None
   log2: Callable[[Any], jax.Array] | None = None
   exp2: Callable[[Any], jax.Array] | None = None
-  code_log2: Callable[[Any, Any], jax.Array] | None = None
 
 
 def _times_reciprocal(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -239,25 +230,16 @@ def _times_reciprocal(x: jax.Array, y: jax.Array) -> jax.Array:
   return x * lax.div(np.float32(1), y)
 
 
-# The references run XLA's own ops. On the GPU, XLA's float32 division and
-# sqrt are not correctly rounded (seen on an H200, jax 0.11.2: 29% of
-# quotients and 17% of roots differ from IEEE), and neither are its log/exp.
+# The references run XLA's own ops. On the GPU, XLA's float32 division,
+# sqrt, log and exp are not correctly rounded.
 XLA_OPS = Ops(div=jnp.divide, div_scalar=jnp.divide,
               div2=lambda x, y, z: x / y / z, sqrt=jnp.sqrt)
-# Triton's own lowering (div.full.f32, libdevice sqrt/log/exp) reproduced
-# XLA's results bit for bit there (quantize and dequantize with expansion:
-# 0 of 8.4M elements differ), so the GPU kernels use it.
+# Triton's own lowering (div.full.f32, libdevice sqrt/log/exp) reproduces
+# XLA's results bit for bit on the GPU (correctly rounded instructions
+# would not), so the compiled kernels use it.
 TRITON_OPS = Ops(div=lax.div, div_scalar=_times_reciprocal,
                  div2=lambda x, y, z: lax.div(x, y * z), sqrt=jnp.sqrt,
                  clip=clip)
-# Correctly rounded PTX instructions instead: IEEE results, but 14% of a
-# dequantize's outputs then differ from XLA's in the last bits.
-_ieee_div = lambda a, b: _asm('div.rn.f32 $0, $1, $2;', a, b)
-TRITON_IEEE_OPS = Ops(
-    div=_ieee_div, div_scalar=_ieee_div,
-    div2=lambda x, y, z: _ieee_div(_ieee_div(x, y), z),
-    sqrt=lambda a: _asm('sqrt.rn.f32 $0, $1;', a), clip=clip,
-)
 
 
 # Interpreted kernels run as XLA on the host, where XLA rewrites x / y for a
@@ -267,30 +249,6 @@ _interpret_div_scalar = lambda x, y: x * jnp.divide(np.float32(1), y)
 INTERPRET_OPS = dataclasses.replace(
     XLA_OPS, div_scalar=_interpret_div_scalar,
     div2=lambda x, y, z: _interpret_div_scalar(x, y) / z)
-
-
-_LN2 = np.float32(np.log(2.0))
-_LOG2E = np.float32(1 / np.log(2.0))
-
-
-def approx_log(x: jax.Array) -> jax.Array:
-  """ln x as lg2.approx.f32 (one special-function op, ~2 ulp; subnormals
-  kept) times ln 2, instead of libdevice's ~25-instruction logf."""
-  return _asm('lg2.approx.f32 $0, $1;', x) * _LN2
-
-
-def approx_exp(x: jax.Array) -> jax.Array:
-  """e^x as ex2.approx.f32 of x log2(e)."""
-  return _asm('ex2.approx.f32 $0, $1;', x * _LOG2E)
-
-
-def approx_transcendentals(ops: Ops) -> Ops:
-  """`ops` with the GPU's approximate log and exp (compiled Triton only).
-
-  Decided for the optimizer kernels (issue 22): their moments need not be
-  the reference's bits; the tests hold them to stated tolerances.
-  """
-  return dataclasses.replace(ops, log=approx_log, exp=approx_exp)
 
 
 def approx_log2(x: jax.Array) -> jax.Array:
@@ -311,47 +269,27 @@ def approx_reciprocal(x: jax.Array) -> jax.Array:
 
 
 def approx_log2_domain(ops: Ops) -> Ops:
-  """`ops` for the optimizer kernels compiled with `approx` (issue 22): the
-  group math in the log2 domain on the GPU's lg2/ex2 (subnormals flushed),
-  Adam's division (x / y) / z as x * rcp(y z). The reciprocal flushes a
-  subnormal denominator (1 - b1^t) (sqrt(v_hat) + eps) to 0, which needs
-  eps < 2^-126 / (1 - b1) (~1e-35 at b1 = 0.999); 6 instructions per element
-  less than the non-flushing rcp."""
+  """`ops` for the optimizer kernels compiled with `approx`: the group math
+  in the log2 domain on the GPU's lg2/ex2 (subnormals flushed), Adam's
+  division (x / y) / z as x * rcp(y z). Their moments need not be the
+  reference's bits: the tests hold them to stated tolerances. The
+  reciprocal flushes a subnormal denominator (1 - b1^t) (sqrt(v_hat) + eps)
+  to 0, which needs eps < 2^-126 / (1 - b1) (~1e-35 at b1 = 0.999); it
+  takes fewer instructions per element than the non-flushing rcp."""
   return dataclasses.replace(
       ops, log2=approx_log2, exp2=approx_exp2,
       div2=lambda x, y, z: x * approx_reciprocal(y * z))
 
 
 def kernel_ops(interpret: bool) -> Ops:
-  if interpret:
-    return INTERPRET_OPS
-  return TRITON_IEEE_OPS if USE_IEEE_OPS else TRITON_OPS
+  """The ops of a kernel: compiled (`TRITON_OPS`) or interpreted."""
+  return INTERPRET_OPS if interpret else TRITON_OPS
 
 
-# Set to True (before tracing) for the correctly rounded variant.
-USE_IEEE_OPS = False
-
-
-@functools.cache
-def gpus_run_pallas() -> bool:
-  """Whether the default backend's devices are GPUs with FP8 (Hopper or
-  newer), which run this package's kernels: on one device, or on each
-  device's shard inside the caller's `jax.shard_map`."""
-  if jax.default_backend() != 'gpu' or pltriton is None:
-    return False
-  try:
-    return all(float(getattr(d, 'compute_capability', '0')) >= 9.0
-               for d in jax.devices())
-  except ValueError:
-    return False
-
-
-@functools.cache
-def _gpu_supports_pallas() -> bool:
-  """Whether the default backend is one GPU with FP8 (Hopper or newer)."""
-  # pallas_call has no partitioning rule: under a multi-device jit it would
-  # be replicated. Call with implementation='pallas' inside shard_map.
-  return gpus_run_pallas() and len(jax.devices()) == 1
+# coat_jax's question (`coat_jax.nn.fsdp`, `coat_jax.optim.fused`): do the
+# default backend's devices compile the kernels, each on its shard inside
+# the caller's `jax.shard_map`?
+gpus_run_pallas = _device.has_fp8_gpus
 
 
 def check_parts(parts) -> tuple[jax.Array, ...]:
@@ -368,31 +306,6 @@ def check_parts(parts) -> tuple[jax.Array, ...]:
     raise TypeError(f'parts have dtype {parts[0].dtype}; quantization needs'
                     ' floating arrays (cast with x.astype(jnp.float32)).')
   return parts
-
-
-def resolve_implementation(
-    implementation: str | None, pallas_default: bool = True
-) -> tuple[str, bool]:
-  """Picks the backend: returns ('xla' | 'pallas', interpret).
-
-  Args:
-    implementation: None (fastest available: Pallas on one Hopper GPU when
-      `pallas_default`, else XLA), 'xla', or 'pallas' (compiled on a GPU,
-      interpreted elsewhere, e.g. on CPU for tests).
-    pallas_default: whether Pallas is the measured winner for this op.
-  """
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f'implementation={implementation!r} must be one of {IMPLEMENTATIONS}:'
-        ' None picks the fastest available.')
-  if implementation is None:
-    use = pallas_default and _gpu_supports_pallas()
-    return ('pallas', False) if use else ('xla', False)
-  if implementation == 'xla':
-    return 'xla', False
-  if pl is None:
-    raise ValueError('implementation="pallas" needs jax.experimental.pallas.')
-  return 'pallas', jax.default_backend() != 'gpu'
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -11,32 +11,6 @@ try:  # Mosaic GPU is in jax >= 0.6; keep the module importable without it.
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   mgpu = plgpu = None
-try:  # jaxlib's Mosaic GPU bindings: absent from CPU-only jaxlibs.
-  from jax._src.lib import mosaic_gpu as _mgpu_lib
-except ImportError:
-  _mgpu_lib = None
-
-
-def ask_ptxas_once(ext) -> bool:
-  """Caches `ext._get_ptxas_isa_version()` (ext: jaxlib's Mosaic GPU
-  extension module) for the process; True if it is cached now.
-
-  jax 0.10-0.11's Mosaic GPU lowering asks ptxas for its PTX ISA version
-  (~12 ms: ptxas runs) on every register cast that involves a type of <= 8
-  bits, booleans included: 82 times for one block-scaled GEMM (0.9 of its
-  1.6 s of lowering under jax 0.10.2), 902 for the 1b block train step
-  (its lowering 31.5 -> 24.4 s on an H200, jax 0.11.2). The answer cannot
-  change within a process.
-  """
-  ask = getattr(ext, '_get_ptxas_isa_version', None)
-  if ask is None:
-    return False
-  if not hasattr(ask, 'cache_info'):
-    ext._get_ptxas_isa_version = functools.cache(ask)  # pylint: disable=protected-access
-  return True
-
-
-ask_ptxas_once(getattr(_mgpu_lib, '_mosaic_gpu_ext', None))
 
 
 def smem_transforms(dtype, minor_elems: int):

@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices (set before jax is imported) and GPU marks."""
+"""Test setup: 8 fake CPU devices (set before jax is imported), GPU marks
+and the `pick_pallas` fixture."""
 
 import os
 
@@ -6,6 +7,7 @@ os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '')
     + ' --xla_force_host_platform_device_count=8').strip()
 
+import contextlib  # noqa: E402
 import tempfile  # noqa: E402
 
 # Many tests build the same small programs; a persistent cache shared by the
@@ -18,32 +20,25 @@ os.environ['JAX_COMPILATION_CACHE_DIR'] = os.path.join(
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import pallas_kernels  # noqa: E402
+from pallas_kernels import _device  # noqa: E402
+
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
 @pytest.fixture
-def pick_pallas(monkeypatch):
-  """Call it to make every kernel dispatch (`_common.resolve_implementation`)
-  pick the Pallas kernels, interpreted: the path the defaults take on one
-  Hopper GPU."""
-  def pick():
-    from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(_common, 'resolve_implementation',
-                        lambda impl, default=True: ('pallas', True))
-  return pick
-
-
-def _has_hopper() -> bool:
-  try:
-    gpus = jax.devices('gpu')
-  except RuntimeError:
-    return False
-  return any('H100' in d.device_kind or 'H200' in d.device_kind for d in gpus)
+def pick_pallas():
+  """Call it to make every kernel call with implementation=None, for the
+  rest of the test, run its Pallas kernel interpreted (the path the
+  defaults take on one Hopper GPU): `pallas_kernels.use_implementation`."""
+  with contextlib.ExitStack() as stack:
+    yield lambda: stack.enter_context(
+        pallas_kernels.use_implementation('pallas', interpret=True))
 
 
 def pytest_collection_modifyitems(config, items):
   del config
-  if _has_hopper():
+  if _device.is_hopper():
     return
   skip = pytest.mark.skip(reason='needs a Hopper (H100/H200) GPU')
   for item in items:

@@ -8,8 +8,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
-from pallas_kernels import _common
-from pallas_kernels.quantize_per_tensor import api as tensor_quant
+from pallas_kernels import dispatch
 
 # The checkpoint_name of every array the FP8 custom_vjps keep for backward:
 # a remat policy that saves this name keeps exactly COAT's FP8 residuals
@@ -86,8 +85,8 @@ def xla_quantizes() -> bool:
   (Several Hopper GPUs under FSDP run the kernels too, on each device's
   rows, `coat_jax.nn.fsdp.row_wise`, in this layout: the one-GPU layout is
   not measured there.)"""
-  return _common.resolve_implementation(
-      None, tensor_quant.PALLAS_IS_DEFAULT)[0] == 'xla'
+  resolved = dispatch.resolve_implementation('quantize_per_tensor', None)
+  return resolved.implementation == 'xla'
 
 
 def saved_residuals(

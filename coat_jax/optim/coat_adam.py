@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax._src import numerics
 
 from coat_jax import quant
 from coat_jax.optim import moments
@@ -165,7 +164,7 @@ def scale_by_coat_adam(
     mus, nus = [as_q(m) for m in old_mu], [as_q(v) for v in old_nu]
     _check_updates_match(updates, mus)
     gs = [g.astype(jnp.float32) for g in treedef.flatten_up_to(updates)]
-    count_inc = numerics.safe_increment(state.count)
+    count_inc = optax.safe_increment(state.count)
     out = [_adam_leaf(g, m, v, count_inc) for g, m, v in zip(gs, mus, nus)]
     new_mu = [moments.like(o[1], m) for o, m in zip(out, old_mu)]
     new_nu = [moments.like(o[2], v) for o, v in zip(out, old_nu)]

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import optax
-from optax._src import numerics
 
 from coat_jax.optim import moments
 from coat_jax.optim.coat_adam import ScaleByCoatAdamState
@@ -79,8 +78,8 @@ def fused_coat_adamw(
     if not isinstance(adam, ScaleByCoatAdamState):
       raise TypeError('state must come from coat_adamw(...).init, got'
                       f' {type(adam).__name__} in its first slot.')
-    step = lambda c: jnp.where(apply_if, numerics.safe_increment(c), c)
-    count = numerics.safe_increment(adam.count)  # this step's, for the math
+    step = lambda c: jnp.where(apply_if, optax.safe_increment(c), c)
+    count = optax.safe_increment(adam.count)  # this step's, for the math
     if callable(learning_rate):
       lr = learning_rate(lr_state.count)
       lr_state = lr_state._replace(count=step(lr_state.count))

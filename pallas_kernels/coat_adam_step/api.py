@@ -8,11 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _common
+from pallas_kernels import dispatch
 from pallas_kernels.coat_adam_step import reference
 from pallas_kernels.coat_adam_step.reference import Moment
-
-# Measured on H100 (benchmarks/RESULTS.md).
-PALLAS_IS_DEFAULT = True
 
 
 def _fields(q: Any, name: str) -> Moment:
@@ -59,7 +57,7 @@ def runs_kernel(param_dtype: Any, group_size: int,
   """Whether `coat_adam_step` runs its Pallas kernel (compiled or
   interpreted) for a param of this dtype, rather than its jnp reference.
   Only the kernel updates one layer of a stack in place (`layer=`)."""
-  impl, _ = _common.resolve_implementation(implementation, PALLAS_IS_DEFAULT)
+  impl, _ = dispatch.resolve_implementation('coat_adam_step', implementation)
   return impl == 'pallas' and _fusable(param_dtype, group_size)
 
 
@@ -124,8 +122,8 @@ def coat_adam_step(
                      f' {param.shape[0]} layers (param {param.shape}).')
   check_grad_and_moments(jax.ShapeDtypeStruct(param.shape, grad.dtype), m, v,
                          expansion)
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'coat_adam_step', implementation)
   if impl == 'pallas' and _fusable(param.dtype, group_size):
     from pallas_kernels.coat_adam_step import pallas_triton
     hp = reference.hyperparams(

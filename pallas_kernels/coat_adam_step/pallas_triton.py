@@ -26,7 +26,6 @@ from pallas_kernels._common import pl
 from pallas_kernels._common import pltriton
 from pallas_kernels.coat_adam_step import reference
 from pallas_kernels.quantize_per_group import pallas_triton as group_pallas
-from pallas_kernels.quantize_per_group import reference as group_reference
 
 _HP_NAMES = ('c1', 'b1', 'c2', 'b2', 'bc1', 'bc2', 'eps', 'wd', 'neg_lr',
              'gscale')
@@ -44,7 +43,7 @@ class BlockSizes(_common.GroupBlockSizes):
 # The tiles of each op when none are given (read when traced, so that
 # benchmarks/optimizer.py --sweep can time others). The update moves 12 bytes
 # per element, the step 16. With the log2 math, 2048 elements on 4 warps
-# were the fastest of the sweep for both on an H200 (RESULTS.md "optimizer").
+# were the fastest of the sweep for both (RESULTS.md "Optimizer step").
 STEP_BLOCK_SIZES = BlockSizes(target=2048, num_warps=4)
 UPDATE_BLOCK_SIZES = BlockSizes(target=2048, num_warps=4)
 
@@ -113,29 +112,15 @@ def _kernel(hp_ref, *refs, rows, cols, ncb, group_size, expansion,
     step()
 
 
-# The group math of the compiled kernels with `approx`: 'log2' (one log2
-# and one exp2 per element and direction, `log2_math`), 'log2_table' (the
-# same, the decode's log2 from the code's bits: fewer special-function ops,
-# more integer ops) or 'ln' (the reference's expressions on approximate log
-# and exp). Read when traced: benchmarks/optimizer.py --sweep times them.
-APPROX_MATH = 'log2'
-
-
 def kernel_ops(interpret: bool, approx: bool) -> _common.Ops:
-  """The kernels' ops: compiled with `approx`, the group math on the GPU's
-  approximate lg2/ex2 (`APPROX_MATH`; on the H100 the reference's expressions
-  on them took the fused step from 2.04 to ~1.63 ms per 2^28 params,
-  RESULTS.md "Ceiling"); interpreted or without `approx`, the reference's
-  own ops."""
+  """The kernels' ops: compiled with `approx`, the group math in the log2
+  domain on the GPU's approximate lg2/ex2 (`log2_math`: fewer operations per
+  element than the reference's expressions, RESULTS.md "Optimizer step");
+  interpreted or without `approx`, the reference's own ops."""
   ops = _common.kernel_ops(interpret)
   if interpret or not approx:
     return ops
-  if APPROX_MATH == 'log2':
-    return _common.approx_log2_domain(ops)
-  if APPROX_MATH == 'log2_table':
-    return dataclasses.replace(_common.approx_log2_domain(ops),
-                               code_log2=group_reference.code_log2)
-  return _common.approx_transcendentals(ops)
+  return _common.approx_log2_domain(ops)
 
 
 def _fused_call(param, grad, mu, nu, hp, apply, *, group_size, expansion,

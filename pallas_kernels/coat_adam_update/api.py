@@ -5,13 +5,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _common
+from pallas_kernels import dispatch
 from pallas_kernels.coat_adam_step import api as step_api
 from pallas_kernels.coat_adam_update import reference
-
-# As the fused step's (the same kernel without the param); to be measured
-# by benchmarks/optimizer.py.
-PALLAS_IS_DEFAULT = True
 
 
 def coat_adam_update(
@@ -48,8 +44,8 @@ def coat_adam_update(
   m, v = step_api._fields(mu, 'mu'), step_api._fields(nu, 'nu')  # pylint: disable=protected-access
   grad = jnp.asarray(grad)
   step_api.check_grad_and_moments(grad, m, v, expansion)
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'coat_adam_update', implementation)
   fusable = group_size >= 2 and group_size & (group_size - 1) == 0
   if impl == 'pallas' and fusable:
     from pallas_kernels.coat_adam_step import pallas_triton  # pylint: disable=g-import-not-at-top

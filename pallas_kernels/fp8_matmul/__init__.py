@@ -2,11 +2,8 @@
 
 from pallas_kernels.fp8_matmul.api import fp8_matmul
 from pallas_kernels.fp8_matmul.api import fp8_matmul_block_scaled
-from pallas_kernels.fp8_matmul.api import fp8_matmul_groups
-from pallas_kernels.fp8_matmul.api import resolve_implementation
 from pallas_kernels.fp8_matmul.reference import fp8_matmul_block_reference
 from pallas_kernels.fp8_matmul.reference import fp8_matmul_reference
 
 __all__ = ['fp8_matmul', 'fp8_matmul_block_reference',
-           'fp8_matmul_block_scaled', 'fp8_matmul_groups',
-           'fp8_matmul_reference', 'resolve_implementation']
+           'fp8_matmul_block_scaled', 'fp8_matmul_reference']

@@ -9,80 +9,21 @@ by its two scales as it is promoted to FP32.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common
+from pallas_kernels import dispatch
 from pallas_kernels.fp8_matmul import mosaic_gpu
+from pallas_kernels.fp8_matmul import mosaic_gpu_block
 from pallas_kernels.fp8_matmul import reference
-from pallas_kernels.fp8_matmul import triton_peer
-from pallas_kernels.quantize_per_group import reference as group_reference
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 _ALLOWED_PAIRS = ((E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2))
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_IMPLEMENTATIONS = ('xla', 'pallas', 'triton')
 _DIMS = (((1,), (1,)), ((), ()))
 BLOCK_K = reference.BLOCK_K
-
-
-@functools.cache
-def pallas_available() -> bool:
-  """True when the default device is a Hopper GPU and Mosaic GPU imports."""
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
-    return False
-  if device.platform != 'gpu':
-    return False
-  capability = str(getattr(device, 'compute_capability', ''))
-  if not capability.startswith('9.'):
-    return False
-  return mosaic_gpu.plgpu is not None
-
-
-# implementation=None picks XLA (cuBLASLt FP8, precise accumulation) even on
-# Hopper: measured in benchmarks/RESULTS.md (H100, fifth run), the Pallas
-# kernel runs at 0.97x of bare cuBLASLt precise per GEMM (geometric mean,
-# Llama-2-7B shapes) and faster than this XLA path with the extra scale
-# pass it had then (the scale now rides in cuBLASLt's epilogue), but a
-# Llama-2-7B layer in coat mode took 26.3 ms with it against 25.8 ms with
-# XLA, and the 1b train step 243.6 against 244.3 ms: no gain
-# beyond the noise. With overlapped tiles (eleventh run: 1.005x cuBLASLt
-# precise per GEMM) the layer still took 25.9 against 25.0 ms and the step
-# 238.3 against 239.9 ms. Opt in with 'pallas'.
-PALLAS_IS_DEFAULT = False
-
-
-def resolve_implementation(implementation: str | None, *,
-                           pallas_is_default: bool | None = None) -> str:
-  """Maps None to the measured-fastest path; checks the name.
-
-  None gives 'pallas' on Hopper if `pallas_is_default` (default:
-  PALLAS_IS_DEFAULT, False today), else 'xla'.
-  """
-  if implementation is None:
-    if pallas_is_default is None:
-      pallas_is_default = PALLAS_IS_DEFAULT
-    return 'pallas' if pallas_is_default and pallas_available() else 'xla'
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(
-        f'implementation must be None, \'xla\', \'pallas\' or \'triton\';'
-        f' got {implementation!r}.')
-  if implementation == 'pallas' and not pallas_available():
-    raise ValueError(
-        'implementation=\'pallas\' needs a Hopper (sm_90) GPU and jax\'s'
-        ' Mosaic GPU backend; use implementation=\'xla\' or None here.')
-  if implementation == 'triton':
-    why = triton_peer.unavailable_reason()
-    if why is not None:
-      raise ValueError(
-          f'implementation=\'triton\' cannot run here: {why} Use'
-          ' implementation=\'xla\' or None here.')
-  return implementation
 
 
 def _check_operand(name: str, x) -> None:
@@ -215,25 +156,10 @@ def _xla_block_matmul(a, b, a_scale, b_scale, out_dtype, c=None):
       a, b, a_scale, b_scale, out_dtype=out_dtype, block_dot=fp8_dot, c=c)
 
 
-def _block_kernel():
-  """Part B's Mosaic GPU block-scaled kernel, or None if it is absent."""
-  try:
-    from pallas_kernels.fp8_matmul import mosaic_gpu_block  # noqa: PLC0415
-  except ImportError:
-    return None
-  return getattr(mosaic_gpu_block, 'fp8_matmul_block_scaled_mosaic', None)
-
-
 def _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype, c=None):
   """Calls the Mosaic GPU kernel: K padded to 128 (zero codes, scale 1),
   b's scales per row of b unless N is a multiple of 128 (per 128x128 block
   then, the smaller operand)."""
-  kernel = _block_kernel()
-  if kernel is None:
-    raise ValueError(
-        'implementation=\'pallas\' with block scales needs'
-        ' pallas_kernels/fp8_matmul/mosaic_gpu_block.py; use'
-        ' implementation=\'xla\' or None here.')
   k = a.shape[1]
   n = b.shape[0]
   pad = -k % BLOCK_K
@@ -242,34 +168,8 @@ def _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype, c=None):
     b = jnp.pad(b, ((0, 0), (0, pad)))
   if n % BLOCK_K or n < BLOCK_K:
     b_scale = reference.expand_b_scale(b_scale, n)
-  return kernel(a, b, a_scale, b_scale, out_dtype=out_dtype, c=c)
-
-
-# implementation=None with block scales: the Mosaic GPU kernel on Hopper
-# when present (the 'xla' emulation runs one GEMM per 128 of K). The lead
-# confirms it with benchmarks/matmul.py.
-BLOCK_PALLAS_IS_DEFAULT = True
-
-
-def _single_device() -> bool:
-  return len(jax.devices()) == 1
-
-
-def _resolve_block_implementation(implementation: str | None) -> str:
-  """'pallas' (the Mosaic GPU kernel) or 'xla' (the emulation) for
-  block-scaled GEMMs asked for with `implementation` (None: the default
-  here: 'pallas' on one Hopper GPU)."""
-  if implementation == 'triton':
-    raise ValueError(
-        "implementation='triton' has no block-scaled kernel; use 'xla',"
-        " 'pallas' or None.")
-  if implementation is None:
-    # One device only: a pallas_call has no partitioning rule, so under a
-    # multi-device jit it would be replicated (use 'pallas' in shard_map).
-    use = (BLOCK_PALLAS_IS_DEFAULT and pallas_available()
-           and _single_device() and _block_kernel() is not None)
-    return 'pallas' if use else 'xla'
-  return resolve_implementation(implementation)
+  return mosaic_gpu_block.fp8_matmul_block_scaled_mosaic(
+      a, b, a_scale, b_scale, out_dtype=out_dtype, c=c)
 
 
 def fp8_matmul_block_scaled(a: jax.Array, b: jax.Array, a_scale: jax.Array,
@@ -280,7 +180,8 @@ def fp8_matmul_block_scaled(a: jax.Array, b: jax.Array, a_scale: jax.Array,
   _check_operand_pair(a, b)
   _check_block_scales(a, b, a_scale, b_scale)
   _check_out(out_dtype, c, (a.shape[0], b.shape[0]))
-  impl = _resolve_block_implementation(implementation)
+  impl, _ = dispatch.resolve_implementation('fp8_matmul_block_scaled',
+                                            implementation)
   if impl == 'pallas':
     return _pallas_block_matmul(a, b, a_scale, b_scale, out_dtype, c)
   return _xla_block_matmul(a, b, a_scale, b_scale, out_dtype, c)
@@ -323,17 +224,16 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
     out_dtype: jnp.bfloat16 (default) or jnp.float32.
     implementation: 'xla' (cuBLASLt FP8 with precise FP32 accumulation on
       GPU, the scale applied in its epilogue, the result rounded once; an
-      exact float32 dot elsewhere), 'pallas' (the
-      Mosaic GPU wgmma kernel, Hopper only), 'triton' (a Triton-language
-      kernel through jax_triton, Hopper only; `pip install jax-triton`) or
-      None (the measured-fastest: xla). M, N and K must be multiples of 16.
-      With block scales: 'xla' is an exact emulation (one FP8 dot per 128
-      of K on a GPU, exact float32 elsewhere), 'pallas' the Mosaic GPU
-      block-scaled kernel, None 'pallas' on Hopper when present.
+      exact float32 dot elsewhere), 'pallas' (the Mosaic GPU wgmma kernel,
+      Hopper only) or None (`pallas_kernels.dispatch`: 'xla', the
+      measured-fastest). M, N and K must be multiples of 16. With block
+      scales: 'xla' is an exact emulation (one FP8 dot per 128 of K on a
+      GPU, exact float32 elsewhere), 'pallas' the Mosaic GPU block-scaled
+      kernel, None 'pallas' on one Hopper GPU.
     c: None, or (M, N) out_dtype added to the scaled float32 product before
       its one rounding: in the GEMM's epilogue (cuBLASLt's C operand under
       'xla' on a GPU, the block-scaled Mosaic kernel's), after it with the
-      per-tensor 'pallas' and 'triton' kernels.
+      per-tensor 'pallas' kernel.
 
   Returns:
     (M, N) array of out_dtype.
@@ -347,59 +247,8 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
         implementation=implementation, c=c)
   scale = _check_operands(a, b, a_scale, b_scale)
   _check_out(out_dtype, c, (a.shape[0], b.shape[0]))
-  impl = resolve_implementation(implementation)
+  impl, _ = dispatch.resolve_implementation('fp8_matmul', implementation)
   if impl == 'xla':
     return _xla_matmul(a, b, scale, out_dtype, c)
-  if impl == 'pallas':
-    out = mosaic_gpu.fp8_matmul_mosaic(a, b, scale, out_dtype=out_dtype)
-  else:
-    out = triton_peer.fp8_matmul_triton(a, b, scale, out_dtype=out_dtype)
+  out = mosaic_gpu.fp8_matmul_mosaic(a, b, scale, out_dtype=out_dtype)
   return out if c is None else out + c
-
-
-# implementation=None for the grouped output picks the fused Pallas epilogue
-# on Hopper: measured (benchmarks/RESULTS.md, "FP8 matmul with a grouped
-# output"), it is 1.00-1.13x the fastest GEMM-then-quantize pair (cuBLASLt
-# float32 out + the Pallas quantizer), since the float32 result never
-# reaches memory.
-GROUPS_PALLAS_IS_DEFAULT = True
-
-
-def fp8_matmul_groups(a: jax.Array, b: jax.Array, a_scale, b_scale, *,
-                      dtype='e4m3', implementation: str | None = None
-                      ) -> tuple[jax.Array, jax.Array]:
-  """FP8 matmul whose result is written as FP8 1x16 groups.
-
-  y = (a @ b.T) * a_scale * b_scale in float32, returned as
-  `quantize_per_group(y, 16, dtype)` would (linear, float32 scales): per 16
-  consecutive columns of a row, scale = max |y| / fp8_max (1 for an all-zero
-  group, NaN for a group holding NaN or Inf) and values = saturate(y / scale).
-
-  Args:
-    a, b, a_scale, b_scale: as `fp8_matmul`.
-    dtype: FP8 format of the values, 'e4m3' (default) or 'e5m2'.
-    implementation: 'xla' (`fp8_matmul` to float32, then the quantization as
-      a separate XLA fusion), 'pallas' (the Mosaic GPU kernel quantizes in its
-      epilogue: the float32 result never reaches memory; Hopper only) or None
-      ('pallas' on Hopper, where it is the faster; 'xla' elsewhere).
-
-  Returns:
-    (values (M, N) FP8, scales (M, N // 16) float32).
-
-  Raises:
-    ValueError: on bad operands, dtype or implementation.
-  """
-  scale = _check_operands(a, b, a_scale, b_scale)
-  dt = _common.fp8_dtype(dtype)
-  if implementation == 'triton':
-    raise ValueError(
-        "fp8_matmul_groups has no 'triton' implementation; use 'xla' or"
-        " 'pallas'.")
-  impl = resolve_implementation(
-      implementation, pallas_is_default=GROUPS_PALLAS_IS_DEFAULT)
-  if impl == 'pallas':
-    return mosaic_gpu.fp8_matmul_mosaic_groups(a, b, scale, dtype=dt)
-  y = _xla_matmul(a, b, scale, jnp.float32)
-  values, scales, _ = group_reference.quantize_per_group(
-      y, mosaic_gpu.GROUP, dt, False, scale_dtype=jnp.float32)
-  return values, scales

@@ -14,12 +14,12 @@ both operands.
 Hopper's FP8 tensor cores add partial products with reduced precision. With
 ``promote=True`` (the default) every ``block_k // split_k`` (default 128)
 elements of K run into a fresh wgmma accumulator that is then added to an
-FP32 accumulator in registers, as CUTLASS and DeepGEMM do. On an H100 this
-gave the same error as cuBLASLt's precise mode (see NOTES.md).
+FP32 accumulator in registers, as CUTLASS and DeepGEMM do: the error of
+cuBLASLt's precise mode (the GPU tests hold it to that).
 ``promote=False`` keeps one wgmma accumulator for all of K (like cuBLASLt
 fast accumulation).
 
-Runs on Hopper GPUs (tested with jax 0.11.2); imports anywhere.
+Runs on Hopper GPUs (tested with jax 0.11); imports anywhere.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Config:
       compute warpgroups finish the previous tile and write it (jax's
       pipeline of pipelines), and line the compute warpgroups up at each
       tile start, as the drain did: left to drift apart they starve each
-      other of stages (NOTES.md, "Overlapped tiles"). Needs K steps that
+      other of stages. Needs K steps that
       divide by the stages; other K drain between tiles as before.
   """
 
@@ -129,22 +129,20 @@ class Config:
 
 DEFAULT_CONFIG = Config()
 # 192 x 128 tiles over three compute warpgroups: faster per tile than
-# DEFAULT_CONFIG (paired medians: 3% on the H200, 6% on the H100; NOTES.md),
-# but 192-row tiles can fill the last wave of tiles worse (M = 4096: 22 x 32
-# tiles are 5.3 waves of 132). Stages are released before the FP32 adds:
-# geomean over the Llama shapes +1.5% and +1.8% on two H100s, unchanged on
-# the H200 (for the two-warpgroup default it measured 2-4% slower). Tiles
-# overlap: +2.5-4.6% at 8192^3 and +2.9-6.7% at o fwd on three H100s, 0.2%
-# and 2.5% on the H200 (NOTES.md, "Overlapped tiles").
+# DEFAULT_CONFIG, but 192-row tiles can fill the last wave of tiles worse
+# (M = 4096: 22 x 32 tiles are 5.3 waves of 132 SMs). Stages are released
+# before the FP32 adds and tiles overlap, each measured no slower over the
+# Llama shapes (the two-warpgroup default is slower with early release):
+# RESULTS.md "FP8 GEMM: Pallas Mosaic GPU vs cuBLASLt".
 THREE_WG_CONFIG = Config(block_m=192, block_k=128, split_k=1, max_stages=4,
                          compute_wgs=3, pad_mn=False, early_release=True,
                          overlap_tiles=True)
 # (config, its speed per tile relative to DEFAULT_CONFIG) for select_config.
 CANDIDATES = ((DEFAULT_CONFIG, 1.0), (THREE_WG_CONFIG, 1.03))
-# Pinned: jax 0.11.2 on the GPU lowered with Warpgroup semantics by default,
-# jax 0.10 (the CPU tests) with Lane. Lane lowers the grouped epilogue (its
-# Warpgroup layout inference did not finish in 10 minutes on jax 0.10) and
-# is what the CPU tests check. A list so a benchmark can compare the two.
+# Pinned: jax 0.11 on the GPU lowers with Warpgroup semantics by default,
+# jax 0.10 (the CPU tests) with Lane. Lane lowers the grouped epilogue (jax
+# 0.10's Warpgroup layout inference does not finish on it) and is what the
+# CPU tests check. A list so a benchmark can compare the two.
 LOWERING_SEMANTICS = [plgpu.LoweringSemantics.Lane if plgpu else None]
 
 

@@ -24,14 +24,15 @@ total += part * a_s[:, None] * b_s, with
   block_n == 128, pipelined by TMA in a (split_k, 32) block of a
   (K // 128, N tiles) copy (32 N tiles: TMA moves whole 128 bytes per
   warpgroup) and read from SMEM after the wgmmas are issued (read from GMEM
-  instead, it cost 6-19% of the kernel's time: RESULTS.md); for 'row' a
+  instead, it cost a noticeable share of the kernel's time: RESULTS.md
+  "Block-scaled FP8 GEMM"); for 'row' a
   (block_n,) column vector per K block, pipelined by TMA from a
   (K // 128, N) copy (WGMMA column layout).
 With 'block' b scales both are read a step ahead: each step's TMA brings
 the next step's scales, which the step reads into the loop carry beside
-the FP32 sum, so no promotion waits on a scale read from SMEM (the few-tile
-1b wgrads ran 0.83-0.84x the per-tensor kernel without it, ~0.95x with it;
-RESULTS.md "fp8-gemm-block"); a tile's first step's come from GMEM.
+the FP32 sum, so no promotion waits on a scale read from SMEM (it matters
+most to GEMMs of few tiles, such as the 1b model's wgrads: RESULTS.md
+"Block-scaled FP8 GEMM"); a tile's first step's come from GMEM.
 The output is not scaled again: the FP32 sum (plus c, an optional (M, N)
 operand in the output's dtype that each warpgroup copies by TMA through
 its epilogue buffer) is cast and TMA-stored in column chunks, through one
@@ -44,7 +45,7 @@ row's) output columns NaN; a zero scale times an Inf partial sum is NaN.
 
 Needs Config(promote=True) with block_k == 128 * split_k (one scale per
 wgmma partial) and block_n == 128 for 'block' scales (a multiple of 32
-for 'row'). Runs on Hopper GPUs with jax 0.11.2; imports anywhere.
+for 'row'). Runs on Hopper GPUs (tested with jax 0.11); imports anywhere.
 """
 
 from __future__ import annotations
@@ -103,18 +104,16 @@ ROW_THREE_WG_CONFIG = Config(block_m=192, block_n=96, block_k=128,
                              overlap_tiles=True)
 # (config, speed per tile) per b_granularity, as mosaic_gpu.CANDIDATES.
 # With 'block' scales three warpgroups gain more per tile than without
-# (~6% on the H200 at the 1b model's 16384 x 2048 outputs, where the
-# per-tensor kernel's 3% picks 128x128 tiles: benchmarks/RESULTS.md,
-# "fp8-gemm-block").
+# (enough to pick them at the 1b model's 16384 x 2048 outputs, where the
+# per-tensor kernel picks 128x128 tiles: benchmarks/RESULTS.md, "Block-scaled
+# FP8 GEMM").
 # With 'block' scales three warpgroups release a stage once its step is
 # done, on one barrier: early release (THREE_WG_CONFIG) gives each of a
 # stage's four inputs a barrier, and the memory warpgroup's waits and the
 # compute warpgroups' arrives on the scales' two take issue slots from the
-# promotion (H200, 8192^3: 352 M instructions against the per-tensor
-# kernel's 286 M; paired geomean 0.940 -> 0.950; NOTES.md, block scales,
-# run 10). Below EARLY_RELEASE_BELOW_WAVES waves of tiles early release is
-# faster (the 1b qkv wgrad, 1.7 waves: 0.95x the per-tensor kernel against
-# 0.84x; only with overlapped tiles; not understood): select_config keeps it.
+# promotion. Below EARLY_RELEASE_BELOW_WAVES waves of tiles early release is
+# faster (measured with overlapped tiles, e.g. the 1b qkv wgrad; not
+# understood): select_config keeps it there.
 BLOCK_THREE_WG_CONFIG = dataclasses.replace(mosaic_gpu.THREE_WG_CONFIG,
                                             early_release=False)
 EARLY_RELEASE_BELOW_WAVES = 2
@@ -145,10 +144,9 @@ def plan_smem(cfg: Config, out_dtype, scale_bytes: int):
   float32 outputs of three warpgroups get a buffer per chunk (the whole
   tile: no chunk then waits for another's store, and the next tile starts
   while they drain) at the cost of a stage (4 -> 3): the 1b step's
-  wgrads ran 4-6% faster (H200; NOTES.md, block scales, run 7). The
-  others keep one: a second costs the two-warpgroup tiles a stage (o
-  wgrad 100 -> 122 us) and made the 16384 x 5632 bf16 outputs 7-10%
-  slower with as many stages.
+  wgrads run faster so. The others keep one: a second costs the
+  two-warpgroup tiles a stage and made large bf16 outputs slower with as
+  many stages (RESULTS.md "Block-scaled FP8 GEMM").
   """
   stages, epi_n = mosaic_gpu._plan_smem(  # pylint: disable=protected-access
       cfg, 1, jnp.dtype(out_dtype).itemsize, extra_stage_bytes=scale_bytes)
@@ -553,8 +551,8 @@ def _call_kernel(a, b, a_scale, b_scale, c, b_granularity, out_dtype, cfg,
   rows_b = b_granularity == 'row'
   if m < cfg.block_m or n < cfg.block_n:
     # Operands smaller than one tile are padded to it: unpadded, a 16 x 16
-    # output with THREE_WG_CONFIG came back all zeros on the H200 (the only
-    # shape whose output and B were narrower than one TMA tile of each).
+    # output with THREE_WG_CONFIG came back all zeros (the only shape whose
+    # output and B were narrower than one TMA tile of each).
     cfg = dataclasses.replace(cfg, pad_mn=True)
   # Per stage: a_s (split_k, block_m) f32, b_s (split_k, block_n) f32 for
   # 'row', (split_k, 32) for 'block'.

@@ -7,15 +7,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common
+from pallas_kernels import dispatch
 from pallas_kernels.quantize_blockwise import reference
 
 TILE = reference.TILE
 BLOCKS = reference.BLOCKS
-
-# The one-pass kernel should beat XLA's fusions (which cannot write both
-# layouts from one read); the lead confirms with benchmarks/kernels.py
-# --blockwise on the GPU.
-PALLAS_IS_DEFAULT = True
 
 
 def _mosaic_kernel():
@@ -26,9 +22,8 @@ def _mosaic_kernel():
 def _runs_mosaic(widths, rows, dtype, transpose, interpret) -> bool:
   """Whether the Pallas path takes the Mosaic GPU kernel: compiled (not
   interpreted) 1x128 tiles of x with x^T, x 16-bit with rows and widths in
-  multiples of 128 (90% of a copy's speed at 16384 x 2048 on an H200, the
-  Triton kernel 66%: RESULTS.md "quantize-blockwise"). Otherwise the
-  Triton kernel."""
+  multiples of 128, where it is nearer a copy's speed than the Triton
+  kernel (RESULTS.md "Block quantizers"). Otherwise the Triton kernel."""
   return not interpret and _mosaic_kernel().supports(widths, rows, dtype,
                                                       transpose)
 
@@ -90,8 +85,8 @@ def quantize_blockwise(
       raise ValueError(
           'transpose=True is for block=(1, 128): a 128x128 block scale serves'
           ' W and W^T alike (transpose the values yourself).')
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'quantize_blockwise', implementation)
   if impl == 'pallas' and x.size:
     rows, cols = _common.as_2d(x.shape)
     if block == (1, TILE) and _runs_mosaic((cols,), rows, x.dtype, transpose,
@@ -133,8 +128,8 @@ def quantize_blockwise_parts(
   parts = _common.check_parts(parts)
   transpose_block = check_block(transpose_block)
   dt = _common.fp8_dtype(dtype)
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'quantize_blockwise', implementation)
   if impl == 'pallas' and all(x.size for x in parts):
     widths = tuple(x.shape[1] for x in parts)
     if _runs_mosaic(widths, parts[0].shape[0], parts[0].dtype, transpose,

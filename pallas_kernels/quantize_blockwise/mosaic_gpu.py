@@ -9,9 +9,9 @@ reference's math and TMA writes both layouts' codes and scales. x^T comes
 in 1x128 tiles along M or, with transpose_block (128, 128), as one 128x128
 block per tile (scale from the max of the whole tile). Three CTAs share an
 SM (65 KiB of shared memory; 96 registers a thread, 163 with blocks), so
-one CTA's loads overlap another's math: 89-99% of a copy's speed on an
-H200 where the Triton kernel (one 128x256 tile per program at 16 warps)
-ran at 65% at power-of-two widths (RESULTS.md "quantize-blockwise").
+one CTA's loads overlap another's math: nearer a copy's speed than the
+Triton kernel (one 128x256 tile per program at 16 warps) at power-of-two
+widths (RESULTS.md "Block quantizers").
 
 Scales leave the kernel K-block first ((K // 128, M), and (M // 128, K) for
 x^T's tiles: TMA needs rows of 16 bytes or more; the block GEMM reads that

@@ -36,10 +36,9 @@ TILE = reference.TILE
 # in benchmarks/kernels.py --blockwise), which takes no BlockSizes.
 BLOCKS_NUM_WARPS = 8
 # Column-tile skew between bands (`_tile_of`) with the transpose in 128x128
-# blocks (g, g^T). At power-of-two widths the plain order ran at 75% of a
-# copy on an H200 (2048 and 4096 wide), skewed by 3 at 84% and 88%; other
-# widths unchanged (RESULTS.md "quantize-blockwise"). x, x^T gains nothing
-# from any order (65% at those widths, and slower at the others).
+# blocks (g, g^T): at power-of-two widths a skew of 3 beats the plain order,
+# other widths are unchanged (RESULTS.md "Block quantizers"). x, x^T gains
+# nothing from any order.
 T_BLOCKS_SKEW = 3
 
 
@@ -52,8 +51,7 @@ class BlockSizes:
     block_cols: columns (K) of a tile.
     num_warps: warps per program; None: 16 with the transpose in 1x128
       tiles (and without a transpose), 8 with it in 128x128 blocks, the
-      fastest of each on an H200 (HISTORY.md, "Block quantizers: what
-      moved them").
+      fastest of each (RESULTS.md "Block quantizers").
   """
 
   block_rows: int = 128
@@ -127,8 +125,7 @@ def _blocks_of_band(x, dtype, pow2, ops):
 
   Each block's max is a masked reduction of the column maxima and its scale
   is selected back per column: no (128, c // 128, 128) view of the tile,
-  whose reshapes cost Triton layout conversions (g, g^T 1.2-1.3x slower
-  on an H200)."""
+  whose reshapes cost Triton layout conversions (slower for g, g^T)."""
   c = x.shape[1]
   col_max = _common.abs_max(jnp.abs(x), 0)[None, :]  # (1, c)
   block_of_col = lax.broadcasted_iota(jnp.int32, (1, c), 1) // TILE
@@ -148,8 +145,8 @@ def _widen(x):
   """x as float32 for the second layout, converted again rather than kept.
 
   A bf16 tile held until x^T is encoded takes half the registers of its
-  float32 copy: 1.24x faster at 16384 x 5632 on an H200 (x, x^T; the
-  kernel is at the 128-register cap of 16 warps). The bf16 widening is
+  float32 copy, which matters at the 128-register cap of 16 warps (x, x^T
+  runs faster so). The bf16 widening is
   spelt as a shift of the bits so that the compiler does not merge it with
   the first conversion (which would keep the float32 tile live again)."""
   if x.dtype != jnp.bfloat16:

@@ -7,13 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _common
+from pallas_kernels import dispatch
 from pallas_kernels.quantize_per_group import reference
-
-# Measured (benchmarks/RESULTS.md): the quantize kernel beats XLA's fusion
-# (1.6-2.1x); the dequantize kernel loses to it with expansion (0.8x), so
-# dequantize defaults to XLA.
-PALLAS_IS_DEFAULT = True
-DEQUANTIZE_PALLAS_IS_DEFAULT = False
 
 
 def _check(group_size: Any, scale_dtype: Any,
@@ -61,8 +56,8 @@ def quantize_per_group(
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f'x has dtype {x.dtype}; quantization needs a floating'
                     ' array (cast with x.astype(jnp.float32)).')
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'quantize_per_group', implementation)
   if impl == 'pallas' and _pallas_ok(group_size):
     from pallas_kernels.quantize_per_group import pallas_triton
     return pallas_triton.quantize_per_group(
@@ -98,8 +93,8 @@ def dequantize_per_group(
     raise ValueError(
         f'scale {scale.shape} (and exponent) must have shape {expected} for'
         f' values {values.shape} and group_size={group_size}.')
-  impl, interpret = _common.resolve_implementation(
-      implementation, DEQUANTIZE_PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'dequantize_per_group', implementation)
   if impl == 'pallas' and _pallas_ok(group_size):
     from pallas_kernels.quantize_per_group import pallas_triton
     return pallas_triton.dequantize_per_group(

@@ -10,10 +10,7 @@ per element there is one log2 and one exp2 each way, with a multiply-add
   decode: x = sign(q) M exp2((log2 |q| - log2 fmax) r),
           r = 1 / k                                          (per group)
 
-Everything else (the exponent, c, r) is computed once per group; where
-`ops.code_log2` is set, it gives the decode's log2 |q| - log2 fmax (e.g. the
-reference's exact `code_log2` from the code's bits: integer ops and selects
-instead of a special-function op). s = 2^24
+Everything else (the exponent, c, r) is computed once per group. s = 2^24
 (1 for M >= 2^104) lifts float32 subnormals so that a log2 that flushes them
 (the GPU's lg2.approx.ftz) still sees them; it cannot overflow. The group
 min over nonzero |x| is an unsigned min over the bits of |x| minus one (a
@@ -95,12 +92,9 @@ def decode_groups(
   # rounding is relative 1e-6, not 1e-5 at M ~ 2^-90) and <= 0; |q| = fmax
   # gives exp2(0 * r) = 1 (fmax's log2 by the same instruction), so M
   # exactly, as in the reference.
-  if ops.code_log2 is not None:
-    code_log2 = ops.code_log2(groups, dtype)
-  else:
-    log2_fmax = ops.log2(jnp.full(
-        (1,) * groups.ndim, _common.fp8_max(dtype), jnp.float32))
-    code_log2 = ops.log2(jnp.abs(groups)) - log2_fmax
+  log2_fmax = ops.log2(jnp.full(
+      (1,) * groups.ndim, _common.fp8_max(dtype), jnp.float32))
+  code_log2 = ops.log2(jnp.abs(groups)) - log2_fmax
   factor = ops.exp2(code_log2 * r[..., None])
   out = scale.astype(jnp.float32)[..., None] * factor
   return _common.with_sign_of(out, groups)

@@ -25,7 +25,8 @@ from pallas_kernels.quantize_per_group import reference
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes(_common.GroupBlockSizes):
-  """Tiles of the per-group quantizers (defaults measured on an H200)."""
+  """Tiles of the per-group quantizers (defaults: the fastest measured by
+  benchmarks/kernels.py)."""
 
 
 def _grid(rows: int, cols: int, br: int, bc: int):

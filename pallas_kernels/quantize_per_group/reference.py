@@ -225,12 +225,11 @@ def encode_groups(
   # multiply by 1/M would flush for M > 2^126), and |x| == M gives exactly
   # fp8_max. ln M is 0 for all-zero groups (M = 1), NaN for non-finite ones.
   scale = store_scale(amax, amax, scale_dtype)
-  log, exp = ops.log or jnp.log, ops.exp or jnp.exp
-  log_scale = log(scale.astype(jnp.float32))
+  log_scale = jnp.log(scale.astype(jnp.float32))
   amin = jnp.min(jnp.where(absx > 0, absx, jnp.inf), -1)
-  exponent = expansion_exponent(log_scale - log(amin), dt, ops)
-  codes = fmax * exp(
-      (log(absx) - log_scale[..., None]) * exponent[..., None])
+  exponent = expansion_exponent(log_scale - jnp.log(amin), dt, ops)
+  codes = fmax * jnp.exp(
+      (jnp.log(absx) - log_scale[..., None]) * exponent[..., None])
   if np.dtype(scale_dtype) != np.float32:
     # Saturate: a bf16 scale rounded below max |x| takes codes past fp8_max.
     # With M = max |x| itself, codes <= fp8_max (an exp rounded up to 1 + ulp
@@ -252,7 +251,7 @@ def decode_groups(
   # |q| == fp8_max gives f = 1, hence M exactly.
   n = _decode_factors(dtype)
   rate = ops.div(float(LN_2 / n), exponent)[..., None]
-  factor = (ops.exp or jnp.exp)(code_log2(groups, dtype) * rate)
+  factor = jnp.exp(code_log2(groups, dtype) * rate)
   out = scale * factor
   for _ in range(n - 1):
     out = out * factor

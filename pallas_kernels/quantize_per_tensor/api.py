@@ -6,11 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common
+from pallas_kernels import dispatch
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.quantize_per_tensor import reference
-
-# Measured on H100 (benchmarks/RESULTS.md).
-PALLAS_IS_DEFAULT = True
 
 
 def quantize_per_tensor(
@@ -45,8 +43,8 @@ def quantize_per_tensor(
                     ' array (cast with x.astype(jnp.float32)).')
   if amax is not None and jnp.shape(amax) != ():
     raise ValueError(f'amax must be a scalar, got shape {jnp.shape(amax)}.')
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'quantize_per_tensor', implementation)
   if impl == 'pallas':
     from pallas_kernels.quantize_per_tensor import pallas_triton
     return pallas_triton.quantize_per_tensor(
@@ -81,8 +79,8 @@ def quantize_per_tensor_parts(
     raise ValueError(f'amax must be a scalar, got shape {jnp.shape(amax)}.')
   dt = _common.fp8_dtype(dtype)
   sd = group_reference.check_scale_dtype(scale_dtype)
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'quantize_per_tensor', implementation)
   if impl == 'pallas' and all(x.size for x in parts):
     from pallas_kernels.quantize_per_tensor import pallas_triton
     return pallas_triton.quantize_per_tensor_parts(
@@ -104,8 +102,8 @@ def tensor_amax(
     implementation: None (fastest available), 'xla' or 'pallas'.
   """
   x = jnp.asarray(x)
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation(
+      'quantize_per_tensor', implementation)
   if impl == 'pallas' and x.size:
     from pallas_kernels.quantize_per_tensor import pallas_triton
     return pallas_triton.tensor_amax(x, interpret=interpret)

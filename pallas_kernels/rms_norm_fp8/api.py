@@ -4,6 +4,11 @@
 pass it as `amax=` to the per-tensor quantizer of the GEMM that reads y.
 `rms_norm_fp8_bwd` returns amax |dx| likewise, for the quantizer of the
 gradient of the GEMM that produced x.
+
+Each direction is one pass of the kernel. XLA takes the row sums, then y
+with x's groups and amax |y|, then the group scales forward; and three
+passes backward (row sums, dx, dscale's column sums), where the kernel also
+adds the residual stream's gradient (`residual_grad`).
 """
 
 import math
@@ -13,19 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _common
+from pallas_kernels import dispatch
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.rms_norm_fp8 import reference
 
-# Forward: one pass (XLA: row sums, then y with x's groups and amax |y|,
-# then the group scales: ~93 us per norm in the 1b step, the kernel ~65);
-# the 1b coat step 1.3 ms faster with it since the norm hands amax |y| to
-# the GEMMs that read y (H200, RESULTS.md "e2e-1b"; before that hand-over
-# it was slower). Backward: XLA needs three passes (row sums, dx, dscale's
-# column sums), the kernel one, with the residual stream's gradient added
-# in it (`residual_grad`).
-PALLAS_IS_DEFAULT = True
-PALLAS_BWD_IS_DEFAULT = True
 # A whole row is one block: rows wider than this are left to XLA.
 MAX_PALLAS_COLS = 16384
 
@@ -45,8 +41,9 @@ def _check(x: jax.Array, scale: jax.Array, group_size: int, what: str):
 
 
 def _use_pallas(implementation: str | None, group_size: int,
-                shape: tuple[int, ...], default: bool = PALLAS_IS_DEFAULT):
-  impl, interpret = _common.resolve_implementation(implementation, default)
+                shape: tuple[int, ...]):
+  impl, interpret = dispatch.resolve_implementation('rms_norm_fp8',
+                                                    implementation)
   # Blocks hold whole groups and Triton blocks are powers of two; an empty
   # array has no program to run.
   ok = (group_size & (group_size - 1) == 0 and shape[-1] <= MAX_PALLAS_COLS
@@ -124,8 +121,7 @@ def rms_norm_fp8_bwd(
     raise ValueError(
         f'residual_grad has shape {residual_grad.shape} and dtype'
         f' {residual_grad.dtype}; it must match g ({g.shape}, {g.dtype}).')
-  use, interpret = _use_pallas(implementation, group_size, g.shape,
-                               PALLAS_BWD_IS_DEFAULT)
+  use, interpret = _use_pallas(implementation, group_size, g.shape)
   if use:
     from pallas_kernels.rms_norm_fp8 import pallas_triton
     return pallas_triton.rms_norm_fp8_bwd(

@@ -145,7 +145,7 @@ def rms_norm_fp8_fwd(
           jnp.max(amax))  # NaN-propagating in XLA
 
 
-# About this many backward programs (~4 per SM of an H100/H200).
+# About this many backward programs (~4 per SM of a Hopper GPU).
 _BWD_PROGRAMS = 512
 
 
@@ -153,10 +153,9 @@ def bwd_block_sizes(rows: int, cols: int) -> BlockSizes:
   """The backward's default for a (rows, cols) view: 2048-element blocks
   (one row from H = 2048), a warp per 256 elements, and 8 to 32 blocks per
   program, as many as leave ~512 programs (each program's float32 dscale
-  row is summed in XLA: fewer programs, fewer rows). H200, 16384 rows with
-  residual_grad, kernel + sum: H = 2048 74.9 us at 32 blocks, 86.8 at 8,
-  106.2 at 64 (256 programs); H = 4096 148.7 against 162.3 at 8; RESULTS.md
-  "kernels-fused"."""
+  row is summed in XLA: fewer programs, fewer rows). Fewer blocks per
+  program, or more, were slower (RESULTS.md "One-pass FP8 RMSNorm and
+  SwiGLU")."""
   hp = _common.next_pow2(cols)
   block_rows = max(1, 2048 // hp)
   steps = min(32, max(8, rows // (block_rows * _BWD_PROGRAMS)))

@@ -11,15 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _common
+from pallas_kernels import dispatch
 from pallas_kernels.quantize_per_group import reference as group_reference
 from pallas_kernels.swiglu_fp8 import reference
-
-# The one-pass kernels, with their amaxes handed to the quantizers of h,
-# dgate and dup (coat_jax.nn.mlp): the 1b coat step 185.4 -> 180.8 ms on an
-# H200 (RESULTS.md "e2e-1b"; without the amaxes handed on, 2026-11-24, the
-# step was slower with them).
-PALLAS_IS_DEFAULT = True
 
 Groups = reference.Groups
 
@@ -33,8 +27,8 @@ def _check_group_size(group_size: Any) -> int:
 
 
 def _use_pallas(implementation: str | None, group_size: int, size: int):
-  impl, interpret = _common.resolve_implementation(
-      implementation, PALLAS_IS_DEFAULT)
+  impl, interpret = dispatch.resolve_implementation('swiglu_fp8',
+                                                    implementation)
   # Tiles hold whole groups and Triton tiles are powers of two; an empty
   # array has no program to run.
   ok = (group_size & (group_size - 1) == 0 and size > 0)

@@ -166,8 +166,8 @@ def _assert_close_to_reference(out, ref):
       assert (step > 0).mean() <= 1e-3, (step > 0).mean()
       moved = np.repeat(step > 0, 128, axis=-1)[..., :diff.shape[-1]]
     # Codes within 2 steps, in at most 1% of the elements, except in a group
-    # whose exponent took the neighbouring step at a rounding boundary (seen
-    # on an H200: one group in 2^15, its codes all re-encoded, up to 8 steps):
+    # whose exponent took the neighbouring step at a rounding boundary (a
+    # rare group on a Hopper GPU, its codes all re-encoded, up to 8 steps):
     # there the decoded values agree within two steps of E4M3 (2 x 2^-3).
     assert diff[~moved].max(initial=0) <= 2, diff[~moved].max(initial=0)
     assert (diff > 0).mean() <= 0.01, (diff > 0).mean()

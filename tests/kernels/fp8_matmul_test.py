@@ -1,40 +1,33 @@
 """Tests of pallas_kernels.fp8_matmul.
 
-CPU: the reference, the 'xla' path, dispatch and input validation, the
-Triton peer's configs and its errors without jax_triton or a GPU. GPU (marked
-`gpu`, skipped without a Hopper GPU): the Mosaic GPU kernel and the Triton
-peer (also skipped without jax_triton), exact on small-integer inputs, as
+CPU: the reference, the 'xla' path, dispatch, input validation and the
+Mosaic GPU kernels' lowering for CUDA. GPU (marked `gpu`, skipped without a
+Hopper GPU): the Mosaic GPU kernels, exact on small-integer inputs, as
 accurate as cuBLASLt's precise FP8 path on random inputs, on boundary shapes
 and with scales != 1.
 """
 
 import dataclasses
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import dispatch
 from pallas_kernels.fp8_matmul import api
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.fp8_matmul import fp8_matmul_reference
 from pallas_kernels.fp8_matmul import mosaic_gpu
-from pallas_kernels.fp8_matmul import triton_peer
+from pallas_kernels.fp8_matmul import mosaic_gpu_block
 from pallas_kernels.quantize_per_group import reference as group_reference
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 MIXES = [(E4M3, E4M3), (E5M2, E4M3)]
-HOPPER = api.pallas_available()
+HOPPER = dispatch.MOSAIC_GPU.compiles_here()
 needs_hopper = pytest.mark.skipif(
     not HOPPER, reason='needs a Hopper GPU with Mosaic GPU')
-TRITON = triton_peer.available()
-needs_triton = pytest.mark.skipif(
-    not TRITON,
-    reason=f'Triton peer unavailable: {triton_peer.unavailable_reason()}')
 
 
 def small_ints(key, shape, dtype):
@@ -138,98 +131,18 @@ def test_scales_not_one():
 
 
 def test_dispatch():
-  if jax.default_backend() == 'cpu':
-    assert api.resolve_implementation(None) == 'xla'
-    with pytest.raises(ValueError, match='pallas'):
-      api.resolve_implementation('pallas')
-  assert api.resolve_implementation('xla') == 'xla'
-  with pytest.raises(ValueError, match='implementation'):
-    api.resolve_implementation('cuda')
   a = small_ints(jax.random.key(3), (16, 32), E4M3)
+  resolve = lambda impl: dispatch.resolve_implementation('fp8_matmul', impl)
+  assert resolve(None) == ('xla', False)  # the measured default everywhere
+  assert resolve('xla') == ('xla', False)
+  if not HOPPER:
+    with pytest.raises(ValueError, match='needs a Hopper GPU'):
+      fp8_matmul(a, a, 1.0, 1.0, implementation='pallas')
+  with pytest.raises(ValueError, match='implementation'):
+    fp8_matmul(a, a, 1.0, 1.0, implementation='triton')
   np.testing.assert_array_equal(
       fp8_matmul(a, a, 1.0, 1.0),
       fp8_matmul(a, a, 1.0, 1.0, implementation='xla'))
-
-
-def test_kernel_module_imports():
-  assert mosaic_gpu.DEFAULT_CONFIG.promote
-
-
-@pytest.fixture
-def fresh_triton_reason():
-  """Clears triton_peer's cached availability before and after a test."""
-  triton_peer.unavailable_reason.cache_clear()
-  yield
-  triton_peer.unavailable_reason.cache_clear()
-
-
-@pytest.mark.skipif(TRITON, reason='the Triton peer runs here')
-def test_triton_unavailable_is_a_clear_error():
-  why = triton_peer.unavailable_reason()
-  assert why and not triton_peer.available()
-  with pytest.raises(ValueError, match="implementation='triton' cannot run"):
-    api.resolve_implementation('triton')
-  a = jnp.zeros((16, 32), E4M3)
-  with pytest.raises(ValueError, match='triton'):
-    fp8_matmul(a, a, 1.0, 1.0, implementation='triton')
-  with pytest.raises(RuntimeError, match='cannot run'):
-    triton_peer.fp8_matmul_triton(a, a, jnp.float32(1.0))
-
-
-def test_triton_missing_package_says_what_to_install(monkeypatch,
-                                                    fresh_triton_reason):
-  del fresh_triton_reason
-  monkeypatch.setattr(triton_peer, '_MODULES', ('coat_jax_no_such_module',))
-  why = triton_peer.unavailable_reason()
-  assert 'coat_jax_no_such_module' in why
-  assert 'pip install jax-triton' in why
-  with pytest.raises(ValueError, match='pip install jax-triton'):
-    api.resolve_implementation('triton')
-
-
-@pytest.mark.skipif(jax.default_backend() == 'gpu', reason='CPU-only check')
-def test_triton_without_gpu_says_so(monkeypatch, fresh_triton_reason):
-  del fresh_triton_reason
-  monkeypatch.setattr(triton_peer, '_MODULES', ('json',))  # "installed"
-  with pytest.raises(ValueError, match='Hopper'):
-    api.resolve_implementation('triton')
-
-
-def test_package_import_does_not_import_triton():
-  code = ('import sys, pallas_kernels.fp8_matmul, coat_jax.nn;'
-          ' bad = [m for m in ("triton", "jax_triton") if m in sys.modules];'
-          ' assert not bad, bad')
-  root = pathlib.Path(__file__).resolve().parents[2]
-  subprocess.run([sys.executable, '-c', code], check=True, cwd=root)
-
-
-def test_triton_configs_validate():
-  for cfg in triton_peer.CONFIGS + (triton_peer.FAST_CONFIG,):
-    cfg.validate(2)
-    assert cfg.short()
-  triton_peer.DEFAULT_CONFIG.validate(4)
-  assert triton_peer.DEFAULT_CONFIG.promote_every == 128
-  assert all(c.promote_every == 128 for c in triton_peer.CONFIGS)
-
-
-@pytest.mark.parametrize('kwargs,match', [
-    (dict(block_m=96), 'block_m'),
-    (dict(block_n=512), 'block_n'),
-    (dict(block_k=16), 'block_k'),
-    (dict(num_warps=2), 'num_warps'),
-    (dict(group_m=0), 'group_m'),
-    (dict(promote_every=48), 'promote_every'),
-    (dict(block_k=64, promote_every=128), 'promote_every'),
-    (dict(num_stages=8), 'shared memory'),
-])
-def test_triton_config_errors(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    triton_peer.Config(**kwargs).validate(2)
-  # bf16 fits, f32 outputs do not: the epilogue tile counts.
-  cfg = triton_peer.Config(block_k=256, num_stages=3)
-  cfg.validate(2)
-  with pytest.raises(ValueError, match='shared memory'):
-    cfg.validate(4)
 
 
 @pytest.mark.parametrize('kwargs,match', [
@@ -241,7 +154,7 @@ def test_triton_config_errors(kwargs, match):
     (dict(b=jnp.zeros((16, 40), E4M3)), r'b\.shape.*K = 40'),
     (dict(b=jnp.zeros((16, 48), E4M3)), 'same K'),
     (dict(a=jnp.zeros((2, 16, 32), E4M3)), 'a must be 2-D'),
-    (dict(a_scale=jnp.ones((1,), jnp.float32)), 'a_scale.*shape'),
+    (dict(a_scale=jnp.ones((1,), jnp.float32)), 'block scales are 2-D'),
     (dict(b_scale=jnp.ones((), jnp.float16)), 'b_scale must be float32'),
     (dict(a_scale='1'), 'a_scale'),
     (dict(out_dtype=jnp.float16), 'out_dtype'),
@@ -365,60 +278,53 @@ def test_select_config_by_wave_efficiency():
 # ---------------------------------------------------------------- GPU tests
 
 
-# The compiled kernels, each skipped where it cannot run.
-KERNELS = [pytest.param('pallas', marks=needs_hopper),
-           pytest.param('triton', marks=needs_triton)]
-
-
-def kernel(implementation, a, b, sa=1.0, sb=1.0, out_dtype=jnp.float32):
+def kernel(a, b, sa=1.0, sb=1.0, out_dtype=jnp.float32):
+  """The compiled Mosaic GPU kernel through the public function."""
   return fp8_matmul(a, b, jnp.float32(sa), jnp.float32(sb),
-                    out_dtype=out_dtype, implementation=implementation)
+                    out_dtype=out_dtype, implementation='pallas')
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('implementation', KERNELS)
+@needs_hopper
 @pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
 @pytest.mark.parametrize('out_dtype', [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize('mnk', [(256, 256, 512), (512, 384, 1024)])
-def test_kernel_exact_small_ints(implementation, a_dtype, b_dtype, out_dtype,
-                                 mnk):
+def test_kernel_exact_small_ints(a_dtype, b_dtype, out_dtype, mnk):
   m, n, k = mnk
   ka, kb = jax.random.split(jax.random.key(m + n + k))
   a = small_ints(ka, (m, k), a_dtype)
   b = small_ints(kb, (n, k), b_dtype)
-  out = kernel(implementation, a, b, out_dtype=out_dtype)
+  out = kernel(a, b, out_dtype=out_dtype)
   want = f64_ref(a, b).astype(np.float32)  # |sums| < 2^24: exact in f32
   np.testing.assert_array_equal(
       np.asarray(out, np.float32), want.astype(out_dtype).astype(np.float32))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('implementation', KERNELS)
+@needs_hopper
 @pytest.mark.parametrize('mnk', [(16, 16, 16), (48, 80, 112), (272, 400, 208),
                                  (1040, 144, 4112)])
 @pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
-def test_kernel_boundary_shapes_and_scales(implementation, mnk, a_dtype,
-                                           b_dtype):
+def test_kernel_boundary_shapes_and_scales(mnk, a_dtype, b_dtype):
   m, n, k = mnk
   ka, kb = jax.random.split(jax.random.key(7))
   a = small_ints(ka, (m, k), a_dtype)
   b = small_ints(kb, (n, k), b_dtype)
-  out = kernel(implementation, a, b, 0.25, 8.0)  # powers of 2: exact
+  out = kernel(a, b, 0.25, 8.0)  # powers of 2: exact
   assert out.shape == (m, n)
   np.testing.assert_array_equal(out, f64_ref(a, b, 0.25, 8.0))
-  out = kernel(implementation, a, b, 0.3, 1.7, out_dtype=jnp.bfloat16)
+  out = kernel(a, b, 0.3, 1.7, out_dtype=jnp.bfloat16)
   np.testing.assert_allclose(
       np.asarray(out, np.float32), f64_ref(a, b, 0.3, 1.7), rtol=8e-3,
       atol=1e-6)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('implementation', KERNELS)
+@needs_hopper
 @pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
 @pytest.mark.parametrize('k', [4096, 16384])
 @pytest.mark.parametrize('dist', ['uniform', 'normal'])
-def test_kernel_accuracy_vs_cublaslt_precise(implementation, a_dtype, b_dtype,
-                                             k, dist):
+def test_kernel_accuracy_vs_cublaslt_precise(a_dtype, b_dtype, k, dist):
   ka, kb = jax.random.split(jax.random.key(k))
   if dist == 'uniform':  # all positive: the worst case for accumulation
     a = jax.random.uniform(ka, (512, k)).astype(a_dtype)
@@ -427,18 +333,16 @@ def test_kernel_accuracy_vs_cublaslt_precise(implementation, a_dtype, b_dtype,
     a = jax.random.normal(ka, (512, k)).astype(a_dtype)
     b = jax.random.normal(kb, (512, k)).astype(b_dtype)
   ref = f64_ref(a, b)
-  err = rel_err(kernel(implementation, a, b), ref)
+  err = rel_err(kernel(a, b), ref)
   xla = fp8_matmul(a, b, 1.0, 1.0, out_dtype=jnp.float32,
                    implementation='xla')
   xla_err = rel_err(xla, ref)
-  print(f'{a_dtype.__name__} K={k} {dist}: {implementation} {err:.2e}'
+  print(f'{a_dtype.__name__} K={k} {dist}: pallas {err:.2e}'
         f' xla {xla_err:.2e}')
   assert np.isfinite(err)
   # Both promote the tensor cores' partial sums every 128 of K, as cuBLASLt
-  # precise does; without promotion the error is 20-500x larger (NOTES.md).
-  # Pallas measured no worse than cuBLASLt; Triton is allowed 2x.
-  slack = {'pallas': 1.0, 'triton': 2.0}[implementation]
-  assert err <= slack * xla_err + 1e-6, (err, xla_err)
+  # precise does (without promotion the error is far larger).
+  assert err <= xla_err + 1e-6, (err, xla_err)
 
 
 @pytest.mark.gpu
@@ -497,41 +401,9 @@ def test_pallas_deterministic_and_default_dispatch():
   a = jax.random.normal(ka, (1024, 2048)).astype(E4M3)
   b = jax.random.normal(kb, (768, 2048)).astype(E4M3)
   # None is the measured-fastest path: cuBLASLt through XLA (RESULTS.md).
-  assert api.resolve_implementation(None) == 'xla'
+  assert dispatch.resolve_implementation('fp8_matmul', None) == ('xla', False)
   f = jax.jit(lambda a, b: fp8_matmul(a, b, 1.0, 1.0, implementation='pallas'))
   out1, out2 = f(a, b), f(a, b)
-  assert bool(jnp.all(jnp.isfinite(out1.astype(jnp.float32))))
-  np.testing.assert_array_equal(out1, out2)
-
-
-@pytest.mark.gpu
-@needs_triton
-@pytest.mark.parametrize('config', triton_peer.CONFIGS,
-                         ids=[c.short() for c in triton_peer.CONFIGS])
-@pytest.mark.parametrize('a_dtype,b_dtype', MIXES)
-def test_triton_configs_exact(config, a_dtype, b_dtype):
-  m, n, k = 400, 272, 4112  # edge tiles in M, N and K for every config
-  ka, kb = jax.random.split(jax.random.key(11))
-  a = small_ints(ka, (m, k), a_dtype)
-  b = small_ints(kb, (n, k), b_dtype)
-  out = triton_peer.fp8_matmul_triton(a, b, jnp.float32(0.5),
-                                      out_dtype=jnp.bfloat16, config=config)
-  want = (f64_ref(a, b) * 0.5).astype(np.float32)
-  np.testing.assert_array_equal(
-      np.asarray(out, np.float32),
-      want.astype(jnp.bfloat16).astype(np.float32))
-
-
-@pytest.mark.gpu
-@needs_triton
-def test_triton_deterministic_under_jit():
-  ka, kb = jax.random.split(jax.random.key(9))
-  a = jax.random.normal(ka, (1024, 2048)).astype(E5M2)
-  b = jax.random.normal(kb, (768, 2048)).astype(E4M3)
-  assert api.resolve_implementation('triton') == 'triton'
-  f = jax.jit(lambda a, b: fp8_matmul(a, b, 0.5, 2.0, implementation='triton'))
-  out1, out2 = f(a, b), f(a, b)
-  assert out1.dtype == jnp.bfloat16 and out1.shape == (1024, 768)
   assert bool(jnp.all(jnp.isfinite(out1.astype(jnp.float32))))
   np.testing.assert_array_equal(out1, out2)
 
@@ -564,42 +436,9 @@ def assert_same_groups(got, want):
                                   np.asarray(w, np.float32))
 
 
-@pytest.mark.parametrize('dtype', [E4M3, E5M2])
-def test_groups_xla_is_the_quantized_f32_matmul(dtype):
-  m, n, k = 64, 96, 256
-  a, b = grouped_operands(m, n, k, seed=21)
-  sa, sb = jnp.float32(0.37), jnp.float32(1.9)
-  values, scales = api.fp8_matmul_groups(a, b, sa, sb, dtype=dtype)
-  assert values.shape == (m, n) and scales.shape == (m, n // 16)
-  y = fp8_matmul(a, b, sa, sb, out_dtype=jnp.float32, implementation='xla')
-  assert_same_groups((values, scales), quantized_f32(y, dtype))
-  # Row 1 (zeros): scale 1, zero codes. Row 3 (a NaN): NaN scales only there.
-  np.testing.assert_array_equal(scales[1], 1.0)
-  np.testing.assert_array_equal(values[1].astype(jnp.float32), 0.0)
-  assert np.isnan(scales[3]).all()
-  others = np.delete(np.asarray(scales), 3, axis=0)
-  assert np.isfinite(others).all()
-  # Each group's max lands on the format's max; the rest within FP8 error.
-  fmax = float(jnp.finfo(dtype).max)
-  v = np.delete(np.asarray(values, np.float32), 3, axis=0).reshape(
-      m - 1, n // 16, 16)
-  top = np.abs(v).max(-1)
-  np.testing.assert_array_equal(top[top > 0], fmax)
-  deq = v * others[..., None]
-  want = np.delete(f64_ref(a, b, sa, sb), 3, axis=0).reshape(v.shape)
-  err = np.abs(deq - want).max(-1) / np.maximum(np.abs(want).max(-1), 1e-30)
-  assert err.max() <= 2.0 ** -jnp.finfo(dtype).nmant
-
-
 def test_groups_validation():
   a = jnp.zeros((32, 64), E4M3)
   b = jnp.zeros((48, 64), E4M3)
-  with pytest.raises(ValueError, match='is not an FP8 format'):
-    api.fp8_matmul_groups(a, b, 1.0, 1.0, dtype='bf16')
-  with pytest.raises(ValueError, match="no 'triton'"):
-    api.fp8_matmul_groups(a, b, 1.0, 1.0, implementation='triton')
-  with pytest.raises(ValueError, match='multiple of 16'):
-    api.fp8_matmul_groups(a, jnp.zeros((40, 64), E4M3), 1.0, 1.0)
   with pytest.raises(ValueError, match='dtype must be float8'):
     mosaic_gpu.fp8_matmul_mosaic_groups(a, b, jnp.float32(1),
                                         dtype=jnp.bfloat16)
@@ -642,16 +481,6 @@ def test_mosaic_groups_are_its_f32_output_quantized(config, dtype, mnk):
                                    config=config)
   assert_same_groups(got, jax.jit(quantized_f32, static_argnums=1)(y, dtype))
   assert np.isnan(got[1][3]).all() and (got[1][1] == 1).all()
-
-
-@pytest.mark.gpu
-@needs_hopper
-def test_groups_pallas_dispatch():
-  a, b = grouped_operands(512, 384, 1024, seed=5)
-  got = api.fp8_matmul_groups(a, b, 0.5, 2.0)  # None: the fused kernel here
-  y = fp8_matmul(a, b, 0.5, 2.0, out_dtype=jnp.float32,
-                 implementation='pallas')
-  assert_same_groups(got, jax.jit(quantized_f32, static_argnums=1)(y, E4M3))
 
 
 # ------------------------------------------------------------ block scales
@@ -817,14 +646,11 @@ def test_block_scale_validation():
     fp8_matmul(a, b, sa, 1.0, implementation='xla')
   with pytest.raises(ValueError, match='both a_scale and b_scale'):
     fp8_matmul(a, b, jnp.float32(1), sb, implementation='xla')
-  with pytest.raises(ValueError, match="'triton' has no block-scaled"):
+  with pytest.raises(ValueError, match='implementation'):
     fp8_matmul(a, b, sa, sb, implementation='triton')
   with pytest.raises(ValueError, match='E5M2 x E5M2'):
     fp8_matmul(a.astype(E5M2), b.astype(E5M2), sa, sb, implementation='xla')
-  with pytest.raises(ValueError, match='block scales are 2-D'):
-    api.fp8_matmul_groups(a, b, sa, sb, implementation='xla')
   if not HOPPER:
-    assert api._resolve_block_implementation(None) == 'xla'
     with pytest.raises(ValueError, match='Hopper'):
       fp8_matmul(a, b, sa, sb, implementation='pallas')
 
@@ -835,7 +661,7 @@ def test_block_pallas_glue_pads_k_and_expands_scales(monkeypatch, n,
                                                      b_per_block):
   """The call into the Mosaic kernel: K padded to 128 with zero codes and
   scale 1, b's scales per row unless N is a multiple of 128 (a stand-in
-  kernel with the kernel's contract checks the arguments)."""
+  for the kernel, with its contract, checks the arguments)."""
   calls = []
 
   def stand_in(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16,
@@ -850,18 +676,13 @@ def test_block_pallas_glue_pads_k_and_expands_scales(monkeypatch, n,
     return api.reference.fp8_matmul_block_reference(
         a, b, a_scale, b_scale, out_dtype=out_dtype, c=c)
 
-  monkeypatch.setattr(api, '_block_kernel', lambda: stand_in)
-  monkeypatch.setattr(api, 'pallas_available', lambda: True)
-  monkeypatch.setattr(api, '_single_device', lambda: True)
+  monkeypatch.setattr(mosaic_gpu_block, 'fp8_matmul_block_scaled_mosaic',
+                      stand_in)
   a, b, sa, sb = block_operands(2, 32, n, 208, E5M2, E4M3, b_per_block)
-  out = fp8_matmul(a, b, sa, sb, out_dtype=jnp.float32,
-                   implementation='pallas')
+  out = api._pallas_block_matmul(a, b, sa, sb, jnp.float32)  # pylint: disable=protected-access
   np.testing.assert_array_equal(np.asarray(out), block_f64_ref(a, b, sa, sb))
   want_rows = n // 128 if (b_per_block and n % 128 == 0) else n
   assert calls == [(want_rows, 2)]
-  assert api._resolve_block_implementation(None) == 'pallas'
-  monkeypatch.setattr(api, '_single_device', lambda: False)
-  assert api._resolve_block_implementation(None) == 'xla'
 
 
 @pytest.mark.gpu
@@ -872,8 +693,6 @@ def test_block_pallas_glue_pads_k_and_expands_scales(monkeypatch, n,
                                  (2048, 5632, 2048)])
 def test_gpu_block_exact_on_representable(implementation, a_dtype, b_dtype,
                                           b_per_block, mnk):
-  if implementation == 'pallas' and api._block_kernel() is None:
-    pytest.skip('mosaic_gpu_block.py is not in this tree')
   m, n, k = mnk
   a, b, sa, sb = block_operands(3, m, n, k, a_dtype, b_dtype, b_per_block)
   out = fp8_matmul(a, b, sa, sb, out_dtype=jnp.float32,
@@ -887,8 +706,6 @@ def test_gpu_block_exact_on_representable(implementation, a_dtype, b_dtype,
 def test_gpu_block_accuracy_vs_cublaslt_precise(implementation, k):
   """Random operands: the block-scaled GEMM's error against float64 is no
   worse than cuBLASLt precise on the same FP8 codes (per-tensor)."""
-  if implementation == 'pallas' and api._block_kernel() is None:
-    pytest.skip('mosaic_gpu_block.py is not in this tree')
   keys = jax.random.split(jax.random.key(k), 2)
   a = jax.random.uniform(keys[0], (512, k), minval=0, maxval=4).astype(E4M3)
   b = jax.random.uniform(keys[1], (256, k), minval=0, maxval=4).astype(E4M3)
