@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import dataclasses
 import functools
 import math
-from typing import Any, ClassVar
+from typing import Any
+from typing import ClassVar
 
 from flax import nnx
 import jax

@@ -7,7 +7,8 @@ subclass with its defaults and presets, and a `Family` whose `from_hf` and
 `to_hf` translate config.json; `coat_jax.models.families` registers them.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 import dataclasses
 from typing import Any
 

@@ -10,7 +10,8 @@ Reading needs only `safetensors` and numpy (BF16 through ml_dtypes), never
 torch.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 import contextlib
 import glob
 import json

@@ -13,7 +13,6 @@ from coat_jax.nn.activations import gelu
 from coat_jax.nn.activations import silu
 from coat_jax.nn.activations import swiglu
 from coat_jax.nn.fp8_matmul import fp8_matmul
-from coat_jax.nn.fp8_matmul import fp8_matmul_groups
 from coat_jax.nn.linear import CoatLinear
 from coat_jax.nn.linear import fp8_dense
 from coat_jax.nn.mlp import CoatMLP
@@ -28,6 +27,6 @@ from coat_jax.nn.residuals import saved_residuals
 __all__ = [
     'CoatLinear', 'CoatMLP', 'CoatRMSNorm', 'LOGICAL_AXIS_RULES',
     'activation_residuals', 'fp8_dense', 'fp8_gate_up_swiglu', 'fp8_matmul',
-    'fp8_matmul_groups', 'fp8_rms_norm', 'fp8_swiglu', 'geglu', 'gelu',
+    'fp8_rms_norm', 'fp8_swiglu', 'geglu', 'gelu',
     'rms_norm', 'saved_residuals', 'silu', 'swiglu',
 ]

@@ -502,8 +502,7 @@ def fp8_dense(
     x: (..., K) bfloat16 or float32 input; K a multiple of 16.
     kernels: one or more (K, N_i) weights (float32 params), N_i multiples of
       16. Their gradients come back in their own dtype.
-    implementation: passed to `fp8_matmul` ('xla', 'pallas', 'triton'
-      or None; 'triton' has no block-scaled kernel).
+    implementation: passed to `fp8_matmul` ('xla', 'pallas' or None).
     scaling: 'tensor' (per-tensor current scaling, COAT's paper) or 'block'
       (1x128 tiles for x and the output gradients, 128x128 weight blocks;
       see the module doc).

@@ -129,7 +129,8 @@ def _layers(model: Any) -> str:
   policy = remat_lib.resolve(arch.remat, config_lib.recipe(model),
                              arch.scan_layers)
   auto = ' (auto)' if arch.remat == remat_lib.AUTO else ''
-  return f"{'scanned' if arch.scan_layers else 'unrolled'}, remat {policy!r}{auto}"
+  layout = 'scanned' if arch.scan_layers else 'unrolled'
+  return f'{layout}, remat {policy!r}{auto}'
 
 
 def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:

@@ -10,13 +10,15 @@ from coat_jax.models import remat as remat_lib
 from coat_jax.training import config as config_lib
 from coat_jax.training import memory
 from coat_jax.training import trainer
+import pallas_kernels
 
 
 def estimate(config: config_lib.Config, devices=None,
              limit: int | None = None) -> memory.MemoryBreakdown:
   """Compiles `config`'s train step ahead of time; its MemoryBreakdown."""
   setup = trainer.build(config, devices)
-  return memory.breakdown(setup, memory.compile_train_step(setup), limit)
+  with pallas_kernels.ask_ptxas_once():  # see `trainer.train`
+    return memory.breakdown(setup, memory.compile_train_step(setup), limit)
 
 
 def batch_unit(config: config_lib.Config, num_devices: int) -> int:

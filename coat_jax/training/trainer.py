@@ -31,6 +31,7 @@ from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import sharding
 from coat_jax.training import tokenizer as tokenizer_lib
 from coat_jax.training.checkpoints import Checkpointer
+import pallas_kernels
 
 
 class NonFiniteError(RuntimeError):
@@ -433,6 +434,14 @@ def train(config: config_lib.Config, devices=None) -> dict:
   train.compilation_cache_dir (`compilation_cache.use_compilation_cache`)
   shortens a rerun's.
   """
+  # Mosaic GPU lowering asks ptxas for its version on every 8-bit cast
+  # unless told once (`pallas_kernels.ask_ptxas_once`): the FP8 GEMMs'
+  # lowering, in the ahead-of-time compile and the steps' first calls.
+  with pallas_kernels.ask_ptxas_once():
+    return _train(config, devices)
+
+
+def _train(config: config_lib.Config, devices) -> dict:
   t = config.train
   lead = jax.process_index() == 0
   # One process writes the log; every process computes the same metrics.
