@@ -1,4 +1,10 @@
-"""End-to-end train step speed and memory: coat_jax's modes vs plain BF16.
+"""End-to-end train step speed and memory: coat_jax's modes against plain
+BF16 (RESULTS.md "e2e-1b" and "e2e-7b").
+
+  PYTHONPATH=. python benchmarks/e2e.py --preset 1b --modes plain,coat \\
+      --variants coat_block=coat:model.scaling=block [--scanned] [--profile]
+  PYTHONPATH=. python benchmarks/e2e.py --preset llama2_7b \\
+      --modes plain,coat --max-batch --budget-s 540 --out runs/e2e_7b.jsonl
 
 Each point (mode, batch) runs in its own process (this script re-invoked
 with --point), so peak memory is per point and an out-of-memory point is
@@ -8,26 +14,24 @@ recorded as 'does not fit' while the sweep goes on. Modes:
               cuDNN attention (the baseline; same architecture and FLOPs)
   bf16, fp8_linear, coat
               train.py's jitted step (`coat_jax.training.build`) with the
-              overrides of benchmarks/train_modes.py (bf16 and fp8_linear
-              with optax.adamw, coat with coat_adamw)
+              overrides of MODE_OVERRIDES (bf16 and fp8_linear with
+              optax.adamw, coat with coat_adamw)
 
 and variants `name=mode:section.field=value,...` (the overrides go through
 `coat_jax.training.apply_overrides`, e.g. model.remat=full).
 
 Every point runs on one device. Per point: tokens/s from the step time of
-a train loop (>= 2 s of warm-up, then runs of 4 steps dispatched back to
-back as train.py's loop does, blocked on once: `step_profile.step_times`;
-the median step blocked on alone, which adds the host's dispatch, is kept
-as step_ms_blocked), model TFLOP/s, peak device memory
-(`memory_stats()['peak_bytes_in_use']`),
-compile time, and with --profile the GPU kernel time per op class
-(benchmarks/step_profile.py's classifier). Each process runs with
-XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction (default 0.97: XLA may use
-almost all of the GPU; jax's own default is 0.75). Tokens are random (speed
-does not depend on them); no corpus is read. The loss printed is the last
-step's on that one repeated batch, a check that the step trains and stays
-finite, not a comparison: plain steps at a constant learning rate, the
-other modes under train.py's warm-up schedule.
+a train loop (`step_profile.step_times`: steps dispatched back to back as
+train.py's loop does; the median step blocked on alone, which adds the
+host's dispatch, is kept as step_ms_blocked), model TFLOP/s, peak device
+memory (`memory_stats()['peak_bytes_in_use']`), compile time, and with
+--profile the GPU kernel time per op class (`step_profile.classify`). Each
+process runs with XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction, so that XLA
+may use almost all of the GPU rather than jax's default share. Tokens are
+random (speed does not depend on them); no corpus is read. The loss printed
+is the last step's on that one repeated batch, a check that the step trains
+and stays finite, not a comparison: plain steps at a constant learning
+rate, the other modes under train.py's warm-up schedule.
 
 Model FLOPs per step = 6 * N * B * S + 6 * L * B * S^2 * H, with N the
 matmul params (the layers' projections and the LM head, not the embedding
@@ -36,14 +40,9 @@ is forward + backward of the matmuls, the second causal attention (QK^T and
 PV, 4 * B * S^2 * H per layer forward, halved by the mask, x3 for
 forward + backward).
 
-  PYTHONPATH=. python benchmarks/e2e.py --preset 1b --modes plain,bf16,coat \\
-      --scanned --variants coat_block=coat:model.scaling=block
-  PYTHONPATH=. python benchmarks/e2e.py --preset llama2_7b \\
-      --modes plain,coat --max-batch --budget-s 540 --out runs/e2e_7b.jsonl
-
 With --out, points already in the file are reused (rerun the same command
-in a later call to continue a sweep; --budget-s ends a call in time);
---report-only FILE prints the tables.
+to continue a sweep; --budget-s ends a call in time); --report-only FILE
+prints the tables.
 """
 
 import argparse
@@ -65,7 +64,14 @@ PRESETS = {
     'llama2_7b': dict(model='llama2_7b', seq=2048, batches=(4,)),
     'llama2_7b_16k': dict(model='llama2_7b', seq=16384, batches=(1,)),
 }
-MODES = ('plain', 'bf16', 'fp8_linear', 'coat')
+# train.py's overrides of each coat_jax mode (stability.py and fsdp.py run
+# the same modes); 'plain' is benchmarks/plain_llama.py.
+MODE_OVERRIDES = {
+    'bf16': ('model.precision=bf16', 'optim.name=adamw'),
+    'fp8_linear': ('model.precision=fp8_linear', 'optim.name=adamw'),
+    'coat': ('model.precision=coat', 'optim.name=coat_adamw'),
+}
+MODES = ('plain', *MODE_OVERRIDES)
 RESULT = 'E2E_RESULT '
 OOM = re.compile(r'RESOURCE_EXHAUSTED|out of memory|OutOfMemory|'
                  r'Allocator .* ran out', re.IGNORECASE)
@@ -135,7 +141,6 @@ def train_config(preset: str, seq: int, batch: int, mode: str,
   """train.py's Config of a point: the preset at (batch, seq), the mode's
   precision and optimizer ('plain' takes the model dimensions only), then
   `overrides`."""
-  from benchmarks import train_modes  # noqa: PLC0415
   from coat_jax import training  # noqa: PLC0415
   from coat_jax.models import LlamaConfig  # noqa: PLC0415
 
@@ -144,7 +149,7 @@ def train_config(preset: str, seq: int, batch: int, mode: str,
   if seq > LlamaConfig.preset(preset).max_seq_len:
     base.append(f'model.max_seq_len={seq}')
   if mode != 'plain':
-    base += train_modes.MODES[mode]
+    base += MODE_OVERRIDES[mode]
   return training.apply_overrides(training.Config(), base + overrides)
 
 
@@ -291,46 +296,59 @@ class OutOfBudget(Exception):
 
 
 class Sweep:
-  """Runs points once each (reusing those in --out) and keeps the records."""
+  """Runs points once each, each in a child process, reusing the records
+  of `out` and starting none that might end after `budget_s`.
 
-  def __init__(self, args):
-    self.args = args
-    self.records = {}
+  Args:
+    out: JSONL file of the records (appended), or None.
+    fresh: rerun points already in `out`.
+    budget_s: seconds for the whole sweep (0: no limit).
+    point_timeout: seconds for one point.
+    key: point -> what makes it (a record with the same key is reused).
+    run: (point, timeout) -> record, never raising for the point.
+    describe: record -> one line.
+  """
+
+  def __init__(self, *, out, fresh, budget_s, point_timeout, key, run,
+               describe):
+    self.out, self.budget_s, self.point_timeout = out, budget_s, point_timeout
+    self.key, self._run, self.describe = key, run, describe
+    self.records, self.walls = {}, []
     self.start = time.perf_counter()
-    self.walls = []
-    if args.out and os.path.exists(args.out) and not args.fresh:
-      for record in load_records(args.out):
+    if out and os.path.exists(out) and not fresh:
+      for record in load_records(out):
         if record['status'] in ('ok', 'does not fit'):
-          self.records[point_key(record)] = record
+          self.records[key(record)] = record
 
-  def run(self, name: str, mode: str, overrides: list[str], batch: int):
-    a = self.args
-    p = dict(name=name, mode=mode, preset=a.model, seq=a.seq, batch=batch,
-             overrides=overrides, steps=a.steps, profile=a.profile,
-             mem_fraction=a.mem_fraction)
-    key = point_key(p)
+  def run(self, p: dict, label: str) -> dict:
+    """The record of point `p`: from `out`, or run now."""
+    key = self.key(p)
     if key in self.records:
       r = self.records[key]
-      print(f'  {name} batch {batch}: (from {a.out}) {describe(r)}',
-            flush=True)
+      print(f'  {label}: (from {self.out}) {self.describe(r)}', flush=True)
       return r
-    timeout = a.point_timeout
-    if a.budget_s:
-      left = a.budget_s - (time.perf_counter() - self.start)
-      expected = max(self.walls) if self.walls else 0.0
+    timeout = self.point_timeout
+    if self.budget_s:
+      left = self.budget_s - (time.perf_counter() - self.start)
+      expected = max(self.walls, default=0.0)
       if left < max(expected, 30.0):
         raise OutOfBudget(f'{left:.0f} s of --budget-s left, a point took'
                           f' up to {expected:.0f} s')
       timeout = min(timeout, left)
-    print(f'  {name} batch {batch} ...', flush=True)
-    r = run_in_process(p, timeout)
+    print(f'  {label} ...', flush=True)
+    r = self._run(p, timeout)
     self.walls.append(r['wall_s'])
-    print(f'  {name} batch {batch}: {describe(r)} ({r["wall_s"]:.0f} s)',
-          flush=True)
+    print(f'  {label}: {self.describe(r)} ({r["wall_s"]:.0f} s)', flush=True)
     self.records[key] = r
-    if a.out:
-      append_record(a.out, r)
+    if self.out:
+      append_record(self.out, r)
     return r
+
+
+def print_stopped(e: OutOfBudget, out: str | None) -> None:
+  print(f'stopped before the next point: {e}. Rerun the same command'
+        + (f' (with --out {out})' if out else ' with --out')
+        + ' to go on from here.', flush=True)
 
 
 def append_record(path: str, record: dict) -> None:
@@ -443,7 +461,7 @@ def kernel_table(records: list[dict]) -> str:
 
 def outside_gemm_attention(r: dict) -> str:
   """GPU kernel ms per step outside GEMMs and attention (step_profile's
-  classes), the issue-21 target's measure."""
+  classes): the work COAT adds around the matmuls."""
   ms = r.get('kernel_ms')
   if not ms:
     return ''
@@ -456,7 +474,7 @@ def outside_gemm_attention(r: dict) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
+      description=__doc__.split('\n\n')[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--preset', default='1b', choices=sorted(PRESETS))
   parser.add_argument('--batches', help='comma-separated (default: the'
@@ -516,24 +534,30 @@ def main(argv=None) -> int:
   print(f'e2e: {args.preset} ({args.model}), seq {args.seq}, batches'
         f' {batches}, runs {list(runs)}, {args.steps} timed steps per point,'
         f' XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction}', flush=True)
-  sweep = Sweep(args)
+  sweep = Sweep(out=args.out, fresh=args.fresh, budget_s=args.budget_s,
+                point_timeout=args.point_timeout, key=point_key,
+                run=run_in_process, describe=describe)
+
+  def run(name, batch):
+    mode, overrides = runs[name]
+    p = dict(name=name, mode=mode, preset=args.model, seq=args.seq,
+             batch=batch, overrides=args.set + overrides, steps=args.steps,
+             profile=args.profile, mem_fraction=args.mem_fraction)
+    return sweep.run(p, f'{name} batch {batch}')
+
   try:
     for batch in batches:
-      for name, (mode, overrides) in runs.items():
-        sweep.run(name, mode, args.set + overrides, batch)
+      for name in runs:
+        run(name, batch)
     if args.max_batch:
-      for name, (mode, overrides) in runs.items():
+      for name in runs:
         print(f'largest batch of {name}:', flush=True)
         best = search_max_batch(
-            lambda b, n=name, m=mode, o=args.set + overrides: sweep.run(
-                n, m, o, b)['status'] == 'ok',
-            max(batches), multiple=args.batch_multiple,
-            max_tries=args.max_tries)
+            lambda b, n=name: run(n, b)['status'] == 'ok', max(batches),
+            multiple=args.batch_multiple, max_tries=args.max_tries)
         print(f'  {name}: largest batch {best}', flush=True)
   except OutOfBudget as e:
-    print(f'stopped before the next point: {e}. Rerun the same command'
-          + (f' (with --out {args.out})' if args.out else ' with --out')
-          + ' to go on from here.', flush=True)
+    print_stopped(e, args.out)
   mine = [r for r in sweep.records.values()
           if (r['preset'], r['seq']) == (args.model, args.seq)]
   print(tables(mine, None if args.max_batch else set(batches),

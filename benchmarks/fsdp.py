@@ -1,13 +1,15 @@
-"""FSDP on N GPUs: memory, speed, sharding and collectives, FP8 all-gather,
-scaling, and a checkpoint restored on fewer devices, in one command.
+"""FSDP on N GPUs: memory, speed, sharding and collectives, scaling, and a
+checkpoint restored on fewer devices, in one command (RESULTS.md "fsdp-4").
+
+  PYTHONPATH=. python benchmarks/fsdp.py --out runs/fsdp.jsonl --budget-s 540
 
 Every point runs in its own process (this script re-invoked with --point),
 on the first n devices (CUDA_VISIBLE_DEVICES on GPUs, a host device count on
 CPU), with mesh data=1, fsdp=n, tensor=1 and NCCL_NVLS_ENABLE=0. Parts
 (--parts, in this order; N = the devices this machine has):
 
-  equal    bf16 and coat (benchmarks/train_modes.py's overrides, as
-           benchmarks/e2e.py) at --batch-per-device x N, on N devices
+  equal    bf16 and coat (e2e.MODE_OVERRIDES) at --batch-per-device x N,
+           on N devices
   gather   coat with model.fp8_weight_gather=true at that batch
   restore  train --restore-preset on min(4, N) devices, checkpoint at
            --restore-at, restore it on each fewer power-of-two device count
@@ -19,20 +21,18 @@ CPU), with mesh data=1, fsdp=n, tensor=1 and NCCL_NVLS_ENABLE=0. Parts
            N is the equal part's point)
   big      --big-preset (Llama-2-13B dimensions) bf16 and coat on N >= 4
 
-A train point records tokens/s per device (median step after >= 2 s of
-warm-up), peak memory per device (max over devices of memory_stats()'s
+A train point records tokens/s per device (`step_profile.step_times`),
+peak memory per device (max over devices of memory_stats()'s
 peak_bytes_in_use, the process's: it includes the initialization; each
-device's is in the record), the compiled step's own bytes per
-device (`coat_jax.training.memory.breakdown`: state, temporaries, batch),
-device bytes in use after placing the state, the state's sharding (bytes
-per device against total / n, and the replicated leaves) and the compiled
-step's collectives by kind and dtype (`collectives`, also used by
-tests/training/fsdp_test.py). With --profile it also traces three steps
-and records the first GPU's NCCL kernel time per step by collective, and
-how much of it no compute kernel covers
+device's is in the record), the compiled step's own bytes per device
+(`coat_jax.training.memory.breakdown`: state, temporaries, batch), device
+bytes in use after placing the state, the state's sharding (bytes per
+device against total / n, and the replicated leaves) and the compiled
+step's collectives by kind and dtype (`collectives`, which
+tests/training/fsdp_test.py uses too). With --profile it also traces
+three steps and records the first GPU's NCCL kernel time per step by
+collective, and how much of it no compute kernel covers
 (`step_profile.collectives_by_kind`). Tokens are random.
-
-  PYTHONPATH=. python benchmarks/fsdp.py --out runs/fsdp.jsonl --budget-s 540
 
 With --out, points already there are reused: rerun the same command to go
 on; --report-only FILE prints the tables. On CPU (a smoke test):
@@ -225,7 +225,6 @@ def sharded_bytes(tree) -> dict:
 
 
 def _train_overrides(p: dict) -> list[str]:
-  from benchmarks import train_modes  # noqa: PLC0415
   from coat_jax.models import LlamaConfig  # noqa: PLC0415
 
   overrides = [f'model.preset={p["preset"]}', f'data.seq_len={p["seq"]}',
@@ -233,7 +232,7 @@ def _train_overrides(p: dict) -> list[str]:
                f'mesh.fsdp={p["devices"]}', 'mesh.tensor=1']
   if p['seq'] > LlamaConfig.preset(p['preset']).max_seq_len:
     overrides.append(f'model.max_seq_len={p["seq"]}')
-  return overrides + train_modes.MODES[p['mode']] + p['overrides']
+  return [*overrides, *e2e.MODE_OVERRIDES[p['mode']], *p['overrides']]
 
 
 def _devices(p: dict):
@@ -397,46 +396,6 @@ def run_in_process(p: dict, timeout: float, backend: str) -> dict:
                        env['PYTHONPATH'].split(os.pathsep)[0], RESULT)
 
 
-class Sweep:
-  """Runs points once each (reusing those in --out) within --budget-s."""
-
-  def __init__(self, args, backend: str):
-    self.args, self.backend = args, backend
-    self.records, self.walls = {}, []
-    self.start = time.perf_counter()
-    if args.out and os.path.exists(args.out) and not args.fresh:
-      for r in e2e.load_records(args.out):
-        if r['status'] in ('ok', 'does not fit'):
-          self.records[point_key(r)] = r
-
-  def run(self, **p) -> dict:
-    a = self.args
-    p = dict(p, mem_fraction=a.mem_fraction)
-    key = point_key(p)
-    label = (f'{p["part"]}: {p["name"]} on {p["devices"]} device(s),'
-             f' batch {p["batch"]}')
-    if key in self.records:
-      print(f'  {label}: (from {a.out}) {describe(self.records[key])}',
-            flush=True)
-      return self.records[key]
-    timeout = a.point_timeout
-    if a.budget_s:
-      left = a.budget_s - (time.perf_counter() - self.start)
-      expected = max(self.walls) if self.walls else 0.0
-      if left < max(expected, 30.0):
-        raise e2e.OutOfBudget(f'{left:.0f} s of --budget-s left, a point'
-                              f' took up to {expected:.0f} s')
-      timeout = min(timeout, left)
-    print(f'  {label} ...', flush=True)
-    r = run_in_process(p, timeout, self.backend)
-    self.walls.append(r['wall_s'])
-    print(f'  {label}: {describe(r)} ({r["wall_s"]:.0f} s)', flush=True)
-    self.records[key] = r
-    if a.out:
-      e2e.append_record(a.out, r)
-    return r
-
-
 def describe(r: dict) -> str:
   if r['status'] != 'ok':
     return f'{r["status"]}: {r.get("error", "")[:200]}'
@@ -449,7 +408,7 @@ def describe(r: dict) -> str:
 # ---------------------------------------------------------------- the plan
 
 
-def plan(sweep: Sweep, args, n: int) -> None:
+def plan(sweep: e2e.Sweep, args, n: int) -> None:
   """Runs the parts of --parts in order."""
   runs = e2e.runs_from_args(args.modes, args.variants)
   base = dict(kind='train', seq=args.seq, steps=args.steps,
@@ -458,9 +417,9 @@ def plan(sweep: Sweep, args, n: int) -> None:
   def train(part, name, preset, devices, batch):
     mode, overrides = ([GATHER_RUN[1], GATHER_RUN[2]] if name == GATHER_RUN[0]
                        else runs[name])
-    return sweep.run(part=part, name=name, mode=mode, preset=preset,
-                     devices=devices, batch=batch,
-                     overrides=args.set + overrides, **base)
+    return run(sweep, args, part=part, name=name, mode=mode, preset=preset,
+               devices=devices, batch=batch, overrides=args.set + overrides,
+               **base)
 
   equal = args.batch_per_device * n
   for part in args.parts:
@@ -494,7 +453,14 @@ def plan(sweep: Sweep, args, n: int) -> None:
       restore(sweep, args, n)
 
 
-def restore(sweep: Sweep, args, n: int) -> None:
+def run(sweep: e2e.Sweep, args, **p) -> dict:
+  """The record of point `p` (with --mem-fraction)."""
+  p = dict(p, mem_fraction=args.mem_fraction)
+  return sweep.run(p, f'{p["part"]}: {p["name"]} on {p["devices"]}'
+                   f' device(s), batch {p["batch"]}')
+
+
+def restore(sweep: e2e.Sweep, args, n: int) -> None:
   """Checkpoint on min(4, n) devices, restored on each fewer power of two."""
   first = min(4, n)
   counts = [d for d in (4, 2, 1) if d < first]
@@ -506,8 +472,8 @@ def restore(sweep: Sweep, args, n: int) -> None:
                batch=args.restore_batch, overrides=overrides,
                at=args.restore_at, steps=2 * args.restore_at)
   ref_dir = os.path.join(work, f'fsdp{first}')
-  ref = sweep.run(name=f'fsdp{first}', devices=first, run_dir=ref_dir,
-                  **point)
+  ref = run(sweep, args, name=f'fsdp{first}', devices=first,
+            run_dir=ref_dir, **point)
   if ref['status'] != 'ok':
     return
   for d in counts:
@@ -519,8 +485,8 @@ def restore(sweep: Sweep, args, n: int) -> None:
         print(f'  {ref_dir} is gone: rerun with --fresh', flush=True)
         return
       copy_checkpoint(ref_dir, args.restore_at, run_dir)
-    sweep.run(name=f'fsdp{first}_to_{d}', devices=d, run_dir=run_dir,
-              **point)
+    run(sweep, args, name=f'fsdp{first}_to_{d}', devices=d, run_dir=run_dir,
+        **point)
 
 
 # ---------------------------------------------------------------- tables
@@ -739,7 +705,7 @@ def tables(records: list[dict]) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
+      description=__doc__.split('\n\n')[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--preset', default='llama2_7b')
   parser.add_argument('--seq', type=int, default=2048)
@@ -793,13 +759,14 @@ def main(argv=None) -> int:
   print(f'fsdp: {n} {backend} device(s), {args.preset} seq {args.seq},'
         f' {args.batch_per_device} sequence(s) per device, parts'
         f' {args.parts}', flush=True)
-  sweep = Sweep(args, backend)
+  sweep = e2e.Sweep(
+      out=args.out, fresh=args.fresh, budget_s=args.budget_s,
+      point_timeout=args.point_timeout, key=point_key, describe=describe,
+      run=lambda p, timeout: run_in_process(p, timeout, backend))
   try:
     plan(sweep, args, n)
   except e2e.OutOfBudget as e:
-    print(f'stopped before the next point: {e}. Rerun the same command'
-          + (f' (with --out {args.out})' if args.out else ' with --out')
-          + ' to go on from here.', flush=True)
+    e2e.print_stopped(e, args.out)
   print(tables(list(sweep.records.values())))
   return 0
 

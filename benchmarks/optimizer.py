@@ -1,7 +1,8 @@
-"""The optimizer step per 2^28 float32 params: optax paths against optax.adamw.
+"""The optimizer step per 2^28 float32 params: coat_jax's optimizers
+against optax.adamw (RESULTS.md "optimizer").
 
-  PYTHONPATH=. python benchmarks/optimizer.py [--quick] [--sweep]
-      [--only NAME ...] [--out results.jsonl]
+  PYTHONPATH=. python benchmarks/optimizer.py [--quick] [--only NAME ...]
+      [--out results.jsonl]
 
 In one run, on 16 leaves of 4096 x 4096 float32 params (2^28), each variant
 jitted with params and state donated: optax.adamw + apply_updates (the
@@ -9,35 +10,24 @@ baseline), the same in optax.chain(clip_by_global_norm, .), coat_adamw +
 apply_updates with implementation='xla' (the jnp reference) and None (one
 Pallas pass per leaf on a Hopper GPU), both alone and after clipping,
 fused_coat_adamw (params updated in place by the kernel), and fp8_states
-around optax.lion and optax.adam. Prints ms per step (median of many timed
-runs after >= 2 s of warm-up, `kernels.time_call`), the ratio to
-optax.adamw's time, the state's bytes per param, and a correctness column:
-after 3 steps from the same params and gradients, max |p - p_ref| / max
-|p_ref - p0| against the variant's reference (the 'xla' coat_adamw for the
-COAT rows, the float32 inner optimizer for fp8_states), so a broken kernel
-cannot post a good time. --sweep adds the coat_adamw kernel and the fused
-step with the other group maths (`pallas_triton.APPROX_MATH`: 'ln', the
-reference's expressions on approximate log/exp, and 'log2_table') and with
-other tiles (`UPDATE_BLOCK_SIZES`, `STEP_BLOCK_SIZES`), to pick the
-defaults.
+around optax.lion and optax.adam. Prints ms per step
+(`kernels.time_call`), the ratio to optax.adamw's time, the state's bytes
+per param, and a correctness column: after 3 steps from the same params and
+gradients, max |p - p_ref| / max |p_ref - p0| against the variant's
+reference (the 'xla' coat_adamw for the COAT rows, the float32 inner
+optimizer for fp8_states), so a broken kernel cannot post a good time.
 """
 
 import argparse
-import contextlib
 import json
 import os
-import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.kernels import time_call
 import coat_jax
-from pallas_kernels.coat_adam_step import pallas_triton as adam_pallas
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import time_call  # noqa: E402
 
 LEAVES = 16
 SIDE = int(os.environ.get('BENCH_SIDE', 4096))  # 2^28 params; smaller: dry runs
@@ -134,16 +124,15 @@ def _rel_diff(p, ref, p0):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--quick', action='store_true',
                       help='fewer timed runs (same sizes, same warm-up)')
   parser.add_argument('--out', help='append the results as JSON lines')
   parser.add_argument('--only', nargs='*', help='variant names to run')
-  parser.add_argument(
-      '--sweep', action='store_true',
-      help='also time both kernels with the previous group math (ln) and'
-      ' other tiles')
   args = parser.parse_args()
+  unknown = set(args.only or ()) - set(VARIANTS)
+  if unknown:
+    parser.error(f'--only: {sorted(unknown)} are not among {list(VARIANTS)}.')
   print(f'jax {jax.__version__}, {jax.devices()[0].device_kind}, '
         f'{LEAVES} x {SIDE}x{SIDE} float32 params')
   timing = dict(warm_s=2.0, iters=5, repeats=5) if args.quick else dict(
@@ -153,41 +142,9 @@ def main():
   g = _grads(params)
   finals = {}
   results = []
-  names = args.only or list(VARIANTS)
-  runs = [(name, '', {}) for name in names]
-  if args.sweep:
-    runs += _sweep_runs()
-  for name, label, patches in runs:
-    with contextlib.ExitStack() as stack:
-      for attr, value in patches.items():
-        stack.enter_context(mock.patch.object(adam_pallas, attr, value))
-      if patches:  # the kernels read them when traced
-        jax.clear_caches()
-      _measure(name + label, VARIANTS[name], params, g, n, finals, results,
-               timing)
-    if patches:
-      jax.clear_caches()
+  for name in args.only or VARIANTS:
+    _measure(name, VARIANTS[name], params, g, n, finals, results, timing)
   _report(results, args)
-
-
-# The kernel variants of --sweep and the attribute holding each one's tiles.
-SWEEP_KERNELS = {'coat_adamw kernel (None)': 'UPDATE_BLOCK_SIZES',
-                 'fused_coat_adamw (in place)': 'STEP_BLOCK_SIZES'}
-SWEEP_TILES = ((1024, 2), (2048, 2), (1024, 4), (4096, 4))  # target, warps
-
-
-def _sweep_runs():
-  """(variant, label, patches of adam_pallas) for --sweep: both kernels with
-  the reference's expressions on approximate log/exp ('ln', the previous
-  default) and the log2 math decoding by table ('log2_table'), then with the
-  default math ('log2') at other tiles than the default."""
-  runs = []
-  for name, tiles_attr in SWEEP_KERNELS.items():
-    runs += [(name, f' {math}', {'APPROX_MATH': math})
-             for math in ('ln', 'log2_table')]
-    runs += [(name, f' {t}/{w}w', {tiles_attr: adam_pallas.BlockSizes(
-        target=t, num_warps=w)}) for t, w in SWEEP_TILES]
-  return runs
 
 
 def _measure(name, variant, params, g, n, finals, results, timing):

@@ -1,4 +1,7 @@
-"""The baseline of benchmarks/e2e.py: a plain Flax NNX + optax BF16 Llama.
+"""The baseline of RESULTS.md "e2e-1b" and "e2e-7b": a plain Flax NNX +
+optax BF16 Llama, e2e.py's mode 'plain':
+
+  PYTHONPATH=. python benchmarks/e2e.py --preset 1b --modes plain
 
 What a user writes without coat_jax: `nnx.Embed`, `nnx.RMSNorm`,
 `nnx.Linear` (float32 params, BF16 compute), RoPE (HF's rotate_half, in

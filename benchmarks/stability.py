@@ -1,4 +1,8 @@
-"""Accuracy across learning rates: final validation loss per variant.
+"""Accuracy across learning rates: final validation loss per variant
+(RESULTS.md "stability").
+
+  PYTHONPATH=. python benchmarks/stability.py --out-dir runs/stability \\
+      --parallel 4 --lrs 1e-3,3e-3 --variants linear=fp8_linear:optim.name=adamw
 
 Trains the 125m Llama (configs/llama_125m.py) on the default corpus
 (data.source=stdlib: the Python standard library, byte-level) at seq 512,
@@ -7,7 +11,7 @@ learning rate and seed, in each variant. Every run is `python train.py` in
 its own process with its run dir under --out-dir/<variant>_lr<lr>_seed<seed>
 (config.json, metrics.jsonl, train.log), so the curves can be re-plotted.
 Variants are `name=mode:section.field=value,...` as in benchmarks/e2e.py,
-over the precision overrides of benchmarks/train_modes.py:
+over the precision overrides of e2e.MODE_OVERRIDES:
 
   bf16  model.precision=bf16, optim.name=adamw (always run: the reference)
   coat  model.precision=coat, optim.name=coat_adamw
@@ -17,16 +21,13 @@ over the precision overrides of benchmarks/train_modes.py:
 
 --parallel N runs N processes at once on the one GPU, each with
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/N and, unless --no-deterministic,
-XLA_FLAGS=--xla_gpu_deterministic_ops=true (a run then repeats to the bit;
-without it two runs of one seed ended up to 1.5% apart) with scanned layers
-(model.scan_layers=true: unrolled ones fail under that flag). Runs finished in
---out-dir are kept (rerun the same command in a later call to go on);
-unfinished ones restart.
+XLA_FLAGS=--xla_gpu_deterministic_ops=true, so that a run repeats to the
+bit (without it two runs of one seed differ by more than the differences
+measured here), with scanned layers (model.scan_layers=true: unrolled ones
+fail under that flag). Runs finished in --out-dir are kept (rerun the same
+command to go on); unfinished ones restart.
 The report (markdown table, stability.md, and the curves, stability.png)
 covers every run dir found: --report-only DIR combines several calls.
-
-  PYTHONPATH=. python benchmarks/stability.py --out-dir runs/stability \\
-      --parallel 4 --lrs 1e-3,3e-3 --variants linear=fp8_linear:optim.name=adamw
 """
 
 import argparse
@@ -40,17 +41,16 @@ import sys
 import time
 
 from benchmarks import e2e
-from benchmarks import train_modes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META = 'stability_run.json'
 DETERMINISTIC = '--xla_gpu_deterministic_ops=true'
-# With XLA's deterministic kernels, jax 0.11.2 fails to run unrolled
-# decoder layers (cuDNN flash attention's backward twice in one program;
-# train.py refuses the combination, `trainer.check_deterministic_layers`):
-# the runs scan the layers, as the runs of 2026-11-26 03:00 did.
+# With XLA's deterministic kernels, jax fails to run unrolled decoder layers
+# (cuDNN flash attention's backward twice in one program; train.py refuses
+# the combination, `trainer.check_deterministic_layers`): the runs scan
+# the layers.
 DETERMINISTIC_LAYERS = ('model.scan_layers=true',)
-# Targets of issue 21: |coat - bf16| / bf16 of the mean final val loss.
+# The accuracy targets: |coat - bf16| / bf16 of the mean final val loss.
 TARGETS = {1e-3: 0.005, 3e-3: 0.005, 1e-2: 0.015}
 
 
@@ -59,9 +59,9 @@ def parse_variants(specs: list[str]) -> dict:
   runs = {'bf16': ('bf16', []), 'coat': ('coat', [])}
   for spec in specs:
     name, mode, overrides = e2e.parse_variant(spec)
-    if mode not in train_modes.MODES:
+    if mode not in e2e.MODE_OVERRIDES:
       raise ValueError(f'--variants {spec!r}: mode must be one of'
-                       f' {tuple(train_modes.MODES)} (train.py runs).')
+                       f' {tuple(e2e.MODE_OVERRIDES)} (train.py runs).')
     if name in runs:
       raise ValueError(f'--variants: the name {name!r} is taken.')
     runs[name] = (mode, overrides)
@@ -82,7 +82,7 @@ def train_command(args, mode: str, overrides: list[str], lr: float,
           f'train.eval_every={args.eval_every}',
           f'train.eval_batches={args.eval_batches}', 'train.log_every=10',
           'train.checkpoint_every=0', 'train.progress_bar=false',
-          f'train.run_dir={run_dir}', *train_modes.MODES[mode],
+          f'train.run_dir={run_dir}', *e2e.MODE_OVERRIDES[mode],
           *(DETERMINISTIC_LAYERS if args.deterministic else ()),
           *args.set, *overrides]
 
@@ -133,8 +133,8 @@ def run_meta(args, name, mode, overrides, lr, seed) -> dict:
 def run_env(parallel: int, deterministic: bool) -> dict:
   """The environment of each train.py run: its share of the GPU memory and,
   when deterministic, XLA's deterministic GPU kernels (scatter-add,
-  attention's backward): without them two runs of one seed ended up to
-  1.5% apart on an H200, more than the differences measured here."""
+  attention's backward), without which two runs of one seed end up further
+  apart than the differences measured here."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(
       round(0.9 / parallel, 4)), PYTHONPATH=os.pathsep.join(
           filter(None, [ROOT, os.environ.get('PYTHONPATH')])))
@@ -219,8 +219,7 @@ def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
   if walls:
     per_run = max(statistics.median(walls), 1.0)
     print(f'\nsizing: a run takes ~{per_run:.0f} s wall at --parallel'
-          f' {args.parallel}; a 540 s call fits ~'
-          f'{int(540 // per_run) * args.parallel} runs', flush=True)
+          f' {args.parallel}', flush=True)
 
 
 def report(out_dir: str) -> str:
@@ -264,8 +263,8 @@ def report(out_dir: str) -> str:
           cell += ' ok' if abs(diff) <= TARGETS[lr] else ' MISS'
       cells.append(cell)
     lines.append(f'| {v} | ' + ' | '.join(cells) + ' |')
-  lines += ['', 'ok/MISS: within the issue-21 target of bf16 (0.5% at 1e-3'
-            ' and 3e-3, 1.5% at 1e-2; same seeds on both sides).']
+  lines += ['', 'ok/MISS: within the target of bf16 (0.5% at 1e-3 and'
+            ' 3e-3, 1.5% at 1e-2; same seeds on both sides).']
   lines += _paired_table(finals, variants, lrs)
   bad = [r for r in runs if r['nonfinite_steps'] or not math.isfinite(
       r['final_val'])]
@@ -392,7 +391,7 @@ def plot(runs: list[dict], variants: list[str], lrs: list[float],
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
+      description=__doc__.split('\n\n')[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--out-dir', default='runs/stability')
   parser.add_argument('--variants', nargs='*', default=[],

@@ -1,17 +1,19 @@
-"""Where a train.py step spends its time on the GPU, per precision mode.
+"""Where a train.py step spends its time on the GPU, per precision mode
+(RESULTS.md "e2e-1b": the step's kernel time by op class).
+
+  PYTHONPATH=. python benchmarks/step_profile.py --modes bf16,coat [--gemms]
 
 Builds the same jitted step as train.py (`coat_jax.training.build`), times
-it as a train loop runs it (`step_times`), then traces three steps
-with `jax.profiler` and sums the GPU kernels' time by kind of op, so that the
-modes can be compared op class by op class.
-
-  PYTHONPATH=. python benchmarks/step_profile.py --modes bf16,coat
+it as a train loop runs it (`step_times`), then traces three steps with
+`jax.profiler` and sums the GPU kernels' time by kind of op, so that the
+modes can be compared op class by op class. e2e.py and fsdp.py use its
+timing and its trace readers.
 
 With --gemms it also lists each GEMM kernel's time per shape (M x N x K and
-operand dtypes from the compiled HLO), to set beside `matmul.py`'s timings
-of the same GEMMs alone; the step is then compiled without CUDA graphs
-(their kernels carry the graph's name, not their HLO instruction's), and
-the times it prints are that step's.
+operand dtypes from the compiled HLO), to set beside `matmul.py --in-step`;
+the step is then compiled without CUDA graphs (their kernels carry the
+graph's name, not their HLO instruction's), and the times it prints are
+that step's.
 
 On several GPUs (a mesh from --set, e.g. `--config configs/llama2_7b.py
 --set mesh.data=1 mesh.fsdp=2 train.batch_size=4`) the kernel times are
@@ -35,7 +37,7 @@ import warnings
 import jax
 import numpy as np
 
-from benchmarks.train_modes import MODES
+from benchmarks.e2e import MODE_OVERRIDES
 from coat_jax import training
 from coat_jax.training import sharding as sharding_lib
 from coat_jax.training import trainer
@@ -165,7 +167,8 @@ def op_stats(trace_dir, steps):
   n = max(1, len(devices))
   totals, launches = collections.Counter(), collections.Counter()
   with warnings.catch_warnings():
-    # jax 0.11.2: "builtin type event_stats has no __module__ attribute".
+    # jax's profiler data: "builtin type event_stats has no __module__
+    # attribute".
     warnings.simplefilter('ignore', DeprecationWarning)
     for line in _stream_lines(trace_dir):
       for event in line.events:
@@ -380,7 +383,7 @@ def profile(config, steps, gemms=False):
       for _ in range(3):
         state, metrics = compiled(state, *batch)
       jax.block_until_ready(metrics)
-  # Peak memory is per process: train_modes.py measures it, one mode each.
+  # Peak memory is per process: e2e.py measures it, one point a process.
   temp = compiled.memory_analysis().temp_size_in_bytes
   ops = op_stats(trace_dir, 3)
   stats = by_kernel(ops)
@@ -391,7 +394,7 @@ def profile(config, steps, gemms=False):
 
 
 def main():
-  parser = argparse.ArgumentParser()
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--config', default='configs/llama_1b.py')
   parser.add_argument('--modes', default='bf16,coat')
   parser.add_argument('--steps', type=int, default=10)
@@ -409,7 +412,8 @@ def main():
   results = {}
   for mode in args.modes.split(','):
     config = training.apply_overrides(
-        base, [*MODES[mode], 'train.checkpoint_every=0', *args.set])
+        base, [*MODE_OVERRIDES[mode], 'train.checkpoint_every=0',
+               *args.set])
     results[mode] = r = profile(config, args.steps, args.gemms)
     if args.dump:
       os.makedirs(args.dump, exist_ok=True)

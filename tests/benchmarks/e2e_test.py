@@ -1,4 +1,4 @@
-"""benchmarks/e2e.py: the sweep's logic, and one tiny sweep on CPU."""
+"""benchmarks/e2e.py: the sweep's logic on hand-built records."""
 
 import json
 
@@ -99,33 +99,6 @@ def test_out_of_memory_messages_are_recognized():
   assert not e2e.OOM.search('ValueError: model.precision=x must be one of')
 
 
-def test_tiny_sweep_in_processes_then_reused(tmp_path, capsys):
-  """Two modes and a failing variant, one process each; the rerun reuses
-  the recorded points (no process) and retries the failed one."""
-  out = tmp_path / 'sub' / 'e2e.jsonl'
-  argv = ['--preset', 'tiny', '--modes', 'plain,coat', '--steps', '2',
-          '--set', 'model.num_layers=1', '--seq', '32',
-          '--variants', 'broken=coat:model.precision=fp16',
-          '--out', str(out)]
-  assert e2e.main(argv) == 0
-  records = {r['name']: r for r in e2e.load_records(out)}
-  for name in ('plain', 'coat'):
-    r = records[name]
-    assert r['status'] == 'ok', r
-    assert r['tokens_per_s'] > 0 and r['loss'] == r['loss']
-    assert r['mem_fraction'] == 0.97 and r['batch'] == 2 and r['seq'] == 32
-  assert records['broken']['status'] == 'failed'
-  assert 'model.precision' in records['broken']['error']
-  text = capsys.readouterr().out
-  assert '| coat | 2 |' in text and '| broken | 2 | failed |' in text
-  argv[argv.index('--variants') + 1] = 'broken=coat:model.precision=fp17'
-  assert e2e.main(argv) == 0
-  assert capsys.readouterr().out.count(f'(from {out})') == 2
-  assert len(e2e.load_records(out)) == 4
-  assert json.loads(out.read_text().splitlines()[-1])['overrides'] == [
-      'model.num_layers=1', 'model.precision=fp17']
-
-
 def test_scanned_adds_a_run_per_coat_jax_mode():
   assert e2e.runs_from_args('plain,bf16,coat', [], scanned=True) == {
       'plain': ('plain', []), 'bf16': ('bf16', []), 'coat': ('coat', []),
@@ -177,3 +150,15 @@ def test_report_only_shows_the_latest_record_of_a_point(tmp_path, capsys):
   assert e2e.main(['--report-only', str(out)]) == 0
   text = capsys.readouterr().out
   assert '| coat | 4 | 3,000 | 3.00x |' in text and 'failed' not in text
+
+
+def test_train_config_applies_the_mode_then_the_overrides():
+  config = e2e.train_config('tiny', 256, 4, 'fp8_linear', ['model.remat=full'])
+  assert (config.model.precision, config.optim.name) == ('fp8_linear',
+                                                         'adamw')
+  assert (config.data.seq_len, config.train.batch_size) == (256, 4)
+  assert config.model.remat == 'full' and config.train.checkpoint_every == 0
+  assert config.model.max_seq_len is None  # the preset's 256 positions
+  config = e2e.train_config('tiny', 4096, 1, 'bf16', ['optim.name=coat_adamw'])
+  assert (config.model.precision, config.optim.name) == ('bf16', 'coat_adamw')
+  assert config.model.max_seq_len == 4096

@@ -1,4 +1,4 @@
-"""benchmarks/stability.py: variants, the report from run dirs, a tiny run."""
+"""benchmarks/stability.py: variants, the report from run dirs, the budget."""
 
 import json
 import math
@@ -95,33 +95,6 @@ def test_unfinished_runs_are_not_finished(tmp_path):
   diverged = stability.read_run(
       _fake_run(str(tmp_path), 'coat', 1e-2, 0, math.nan))
   assert stability.is_finished(diverged)  # nan is its result
-
-
-def test_tiny_runs_in_parallel_then_kept(tmp_path, capsys):
-  out = str(tmp_path / 'runs')
-  argv = ['--out-dir', out, '--config', 'configs/tiny.py', '--steps', '3',
-          '--seq', '16', '--batch', '8', '--eval-every', '3',
-          '--eval-batches', '1', '--lrs', '1e-3', '--seeds', '0',
-          '--parallel', '2', '--only', 'bf16,broken',
-          '--variants', 'broken=coat:model.precision=fp16',
-          '--set', 'model.num_layers=1']
-  assert stability.main(argv) == 0
-  text = capsys.readouterr().out
-  assert ('XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 each,'
-          ' --xla_gpu_deterministic_ops=true') in text
-  assert 'broken_lr0.001_seed0: FAILED (exit 2' in text
-  ok = stability.read_run(os.path.join(out, 'bf16_lr0.001_seed0'))
-  assert stability.is_finished(ok) and ok['final_val'] > 0
-  with open(os.path.join(out, 'bf16_lr0.001_seed0', 'config.json')) as f:
-    assert json.load(f)['model']['num_layers'] == 1
-  assert '| bf16 | ' in text and 'broken_lr0.001_seed0:' in text.split(
-      'ok/MISS')[1]
-  assert stability.main(argv) == 0
-  text = capsys.readouterr().out
-  assert 'bf16_lr0.001_seed0: finished before, kept' in text
-  assert '1 runs to go' in text  # the failed one again
-  with pytest.raises(SystemExit):
-    stability.main(argv[:-4] + ['--only', 'nope'])
 
 
 def test_runs_use_deterministic_kernels_unless_told(monkeypatch):
