@@ -12,6 +12,9 @@ recorded as 'does not fit' while the sweep goes on. Modes:
 
   plain       benchmarks/plain_llama.py: Flax NNX + optax BF16, unrolled,
               cuDNN attention (the baseline; same architecture and FLOPs)
+  converted   the same plain model as a user converts it: its SwiGLU line
+              switched to coat_jax.nn.swiglu, coat_jax.convert(model,
+              COAT), coat_adamw (plain_llama.build(recipe=...))
   bf16, fp8_linear, coat
               train.py's jitted step (`coat_jax.training.build`) with the
               overrides of MODE_OVERRIDES (bf16 and fp8_linear with
@@ -63,15 +66,18 @@ PRESETS = {
     '1b': dict(model='1b', seq=2048, batches=(8, 16)),
     'llama2_7b': dict(model='llama2_7b', seq=2048, batches=(4,)),
     'llama2_7b_16k': dict(model='llama2_7b', seq=16384, batches=(1,)),
+    'qwen3_1.7b': dict(model='qwen3_1.7b', seq=2048, batches=(8,)),
 }
 # train.py's overrides of each coat_jax mode (stability.py and fsdp.py run
 # the same modes); 'plain' is benchmarks/plain_llama.py.
 MODE_OVERRIDES = {
-    'bf16': ('model.precision=bf16', 'optim.name=adamw'),
-    'fp8_linear': ('model.precision=fp8_linear', 'optim.name=adamw'),
-    'coat': ('model.precision=coat', 'optim.name=coat_adamw'),
+    'bf16': ('model.recipe=bf16', 'optim.name=adamw'),
+    'fp8_linear': ('model.recipe=fp8_linear', 'optim.name=adamw'),
+    'coat': ('model.recipe=coat', 'optim.name=coat_adamw'),
 }
-MODES = ('plain', *MODE_OVERRIDES)
+# Modes of benchmarks/plain_llama.py's model (not train.py's step).
+PLAIN_MODES = ('plain', 'converted')
+MODES = (*PLAIN_MODES, *MODE_OVERRIDES)
 RESULT = 'E2E_RESULT '
 OOM = re.compile(r'RESOURCE_EXHAUSTED|out of memory|OutOfMemory|'
                  r'Allocator .* ran out', re.IGNORECASE)
@@ -125,7 +131,7 @@ def point_key(p: dict) -> str:
 
 def model_flops(cfg, batch: int, seq: int) -> float:
   """Model FLOPs of one train step (see the module docstring)."""
-  h, d = cfg.hidden_size, cfg.head_dim
+  h, d = cfg.hidden_size, cfg.head_features
   per_layer = (h * cfg.num_heads * d * 2 + h * cfg.num_kv_heads * d * 2
                + 3 * h * cfg.intermediate_size)
   n = cfg.num_layers * per_layer + h * cfg.vocab_size
@@ -139,16 +145,16 @@ def model_flops(cfg, batch: int, seq: int) -> float:
 def train_config(preset: str, seq: int, batch: int, mode: str,
                  overrides: list[str]):
   """train.py's Config of a point: the preset at (batch, seq), the mode's
-  precision and optimizer ('plain' takes the model dimensions only), then
+  recipe and optimizer (PLAIN_MODES take the model dimensions only), then
   `overrides`."""
+  from coat_jax import models  # noqa: PLC0415
   from coat_jax import training  # noqa: PLC0415
-  from coat_jax.models import LlamaConfig  # noqa: PLC0415
 
   base = [f'model.preset={preset}', f'data.seq_len={seq}',
           f'train.batch_size={batch}', 'train.checkpoint_every=0']
-  if seq > LlamaConfig.preset(preset).max_seq_len:
+  if seq > models.preset(preset).max_seq_len:
     base.append(f'model.max_seq_len={seq}')
-  if mode != 'plain':
+  if mode not in PLAIN_MODES:
     base += MODE_OVERRIDES[mode]
   return training.apply_overrides(training.Config(), base + overrides)
 
@@ -166,11 +172,12 @@ def run_point(p: dict) -> dict:
 
   config = train_config(p['preset'], p['seq'], p['batch'], p['mode'],
                         p['overrides'])
-  cfg = trainer.llama_config(config.model)
+  cfg = training.architecture(config.model)
   tokens = np.random.default_rng(0).integers(
       0, cfg.vocab_size, (p['batch'], p['seq'] + 1), dtype=np.int32)
-  if p['mode'] == 'plain':
-    init_state, step = plain_llama.build(cfg)
+  if p['mode'] in PLAIN_MODES:
+    init_state, step = plain_llama.build(
+        cfg, recipe='coat' if p['mode'] == 'converted' else None)
     batch = [jax.device_put(x) for x in (tokens[:, :-1], tokens[:, 1:])]
     context = contextlib.nullcontext()
   else:

@@ -225,12 +225,12 @@ def sharded_bytes(tree) -> dict:
 
 
 def _train_overrides(p: dict) -> list[str]:
-  from coat_jax.models import LlamaConfig  # noqa: PLC0415
+  from coat_jax import models  # noqa: PLC0415
 
   overrides = [f'model.preset={p["preset"]}', f'data.seq_len={p["seq"]}',
                f'train.batch_size={p["batch"]}', 'mesh.data=1',
                f'mesh.fsdp={p["devices"]}', 'mesh.tensor=1']
-  if p['seq'] > LlamaConfig.preset(p['preset']).max_seq_len:
+  if p['seq'] > models.preset(p['preset']).max_seq_len:
     overrides.append(f'model.max_seq_len={p["seq"]}')
   return [*overrides, *e2e.MODE_OVERRIDES[p['mode']], *p['overrides']]
 
@@ -260,7 +260,7 @@ def run_train_point(p: dict) -> dict:
   devices = _devices(p)
   config = training.apply_overrides(
       training.Config(), _train_overrides(p) + ['train.checkpoint_every=0'])
-  cfg = trainer.llama_config(config.model)
+  cfg = training.architecture(config.model)
   tokens = np.random.default_rng(0).integers(
       0, cfg.vocab_size, (p['batch'], p['seq'] + 1), dtype=np.int32)
   setup = training.build(config, devices)

@@ -10,9 +10,15 @@ float32), grouped-query attention through `jax.nn.dot_product_attention`
 BF16 logits with a float32 softmax cross entropy, `optax.adamw` after
 global-norm clipping at 1.0, one jitted step with the state donated.
 
-The architecture and matmul FLOPs are those of `coat_jax.models.Llama` for
-the same `LlamaConfig` (the params use the same names, so a test can load
-one model's weights into the other and compare losses).
+The architecture and matmul FLOPs are those of `coat_jax.models.Decoder`
+for the same config (the params use the same names, so a test can load one
+model's weights into the other and compare losses); for Qwen3's shape it
+adds the per-head RMSNorm of the queries and keys.
+
+`build(cfg, recipe=...)` is e2e.py's mode 'converted': what a user of
+coat_jax does to this model, the one line of its MLP switched to the
+FP8-saving `coat_jax.nn.swiglu`, `coat_jax.convert(model, recipe)`, and
+`coat_jax.coat_adamw` in the optimizer.
 """
 
 from typing import Any
@@ -22,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from coat_jax.models import LlamaConfig
+import coat_jax
+from coat_jax.models import DecoderConfig
 
 
 def rope(x: jax.Array, positions: int, theta: float) -> jax.Array:
@@ -44,56 +51,67 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                                       implementation=impl)
 
 
-def _linear(n_in: int, n_out: int, cfg: LlamaConfig, rngs: nnx.Rngs):
+def _linear(n_in: int, n_out: int, cfg: DecoderConfig, rngs: nnx.Rngs):
   return nnx.Linear(n_in, n_out, use_bias=False, dtype=jnp.bfloat16,
                     param_dtype=jnp.float32, rngs=rngs,
                     kernel_init=nnx.initializers.normal(cfg.init_std))
 
 
-def _norm(cfg: LlamaConfig, rngs: nnx.Rngs):
-  return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps,
+def _norm(cfg: DecoderConfig, rngs: nnx.Rngs, size: int | None = None):
+  return nnx.RMSNorm(size or cfg.hidden_size, epsilon=cfg.rms_norm_eps,
                      dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
 
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-    h, d = cfg.hidden_size, cfg.head_dim
+  def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+    h, d = cfg.hidden_size, cfg.head_features
     self.q_proj = _linear(h, cfg.num_heads * d, cfg, rngs)
     self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg, rngs)
     self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg, rngs)
     self.o_proj = _linear(cfg.num_heads * d, h, cfg, rngs)
+    if cfg.qk_norm == 'head':  # Qwen3
+      self.q_norm = _norm(cfg, rngs, d)
+      self.k_norm = _norm(cfg, rngs, d)
     self.cfg = cfg
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, s, _ = x.shape
     c = self.cfg
-    q = self.q_proj(x).reshape(b, s, c.num_heads, c.head_dim)
-    k = self.k_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
-    v = self.v_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+    d = c.head_features
+    q = self.q_proj(x).reshape(b, s, c.num_heads, d)
+    k = self.k_proj(x).reshape(b, s, c.num_kv_heads, d)
+    v = self.v_proj(x).reshape(b, s, c.num_kv_heads, d)
+    if c.qk_norm == 'head':
+      q, k = self.q_norm(q), self.k_norm(k)
     o = attention(rope(q, s, c.rope_theta), rope(k, s, c.rope_theta), v)
-    return self.o_proj(o.reshape(b, s, c.num_heads * c.head_dim))
+    return self.o_proj(o.reshape(b, s, c.num_heads * d))
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  return nnx.silu(gate) * up
 
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, glu=swiglu):
     h, i = cfg.hidden_size, cfg.intermediate_size
     self.gate_proj = _linear(h, i, cfg, rngs)
     self.up_proj = _linear(h, i, cfg, rngs)
     self.down_proj = _linear(i, h, cfg, rngs)
+    self.glu = glu
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+    return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, glu=swiglu):
     self.attn_norm = _norm(cfg, rngs)
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = _norm(cfg, rngs)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MLP(cfg, rngs, glu)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x + self.attn(self.attn_norm(x))
@@ -101,14 +119,16 @@ class Block(nnx.Module):
 
 
 class PlainLlama(nnx.Module):
-  """int tokens (B, S) -> BF16 logits (B, S, V); float32 params."""
+  """int tokens (B, S) -> BF16 logits (B, S, V); float32 params. glu:
+  the MLP's silu(gate) * up (`swiglu`, or coat_jax.nn.swiglu)."""
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, glu=swiglu):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size,
                            dtype=jnp.bfloat16, param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(
                                cfg.init_std), rngs=rngs)
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.layers = nnx.List([Block(cfg, rngs, glu)
+                            for _ in range(cfg.num_layers)])
     self.norm = _norm(cfg, rngs)
     self.lm_head = (None if cfg.tie_embeddings
                     else _linear(cfg.hidden_size, cfg.vocab_size, cfg, rngs))
@@ -131,29 +151,45 @@ def loss_fn(model: PlainLlama, tokens: jax.Array,
       logits, targets).mean()
 
 
-def make_optimizer(learning_rate: float = 3e-4) -> optax.GradientTransformation:
+def make_optimizer(learning_rate: float = 3e-4, *,
+                   coat: bool = False) -> optax.GradientTransformation:
   """Clip at global norm 1.0, then AdamW (b2 0.95, weight decay 0.1 on
-  matrices), as coat_jax's train step."""
+  matrices), as coat_jax's train step: optax's, or with coat COAT's FP8
+  moments (`coat_jax.coat_adamw`)."""
+  adamw = coat_jax.coat_adamw if coat else optax.adamw
   return optax.chain(
       optax.clip_by_global_norm(1.0),
-      optax.adamw(learning_rate, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
-                  mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+      adamw(learning_rate, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
 
 
-def build(cfg: LlamaConfig, seed: int = 0,
-          learning_rate: float = 3e-4) -> tuple[Any, Any]:
-  """(init_state, train_step) for the plain BF16 Llama.
+def make_model(cfg: DecoderConfig, seed: int = 0,
+               recipe: Any = None) -> PlainLlama:
+  """The plain model; with a recipe, as a coat_jax user converts it: the
+  MLP's SwiGLU switched to `coat_jax.nn.swiglu`, then
+  `coat_jax.convert(model, recipe)`."""
+  if recipe is None:
+    return PlainLlama(cfg, nnx.Rngs(seed))
+  model = PlainLlama(cfg, nnx.Rngs(seed), glu=coat_jax.nn.swiglu)
+  coat_jax.convert(model, recipe)
+  return model
+
+
+def build(cfg: DecoderConfig, seed: int = 0, learning_rate: float = 3e-4,
+          recipe: Any = None) -> tuple[Any, Any]:
+  """(init_state, train_step) for the plain BF16 Llama, or with a recipe
+  for it converted (`make_model`) and trained with coat_adamw.
 
   init_state() -> {'params': pure dict of float32 arrays, 'opt_state'};
   train_step(state, inputs, targets) -> (state, {'loss'}) is jitted with
   the state donated. inputs and targets: int32 (B, S).
   """
   graphdef, _ = nnx.split(nnx.eval_shape(
-      lambda: PlainLlama(cfg, nnx.Rngs(seed))))
-  tx = make_optimizer(learning_rate)
+      lambda: make_model(cfg, seed, recipe)))
+  tx = make_optimizer(learning_rate, coat=recipe is not None)
 
   def init_state():
-    params = nnx.to_pure_dict(nnx.state(PlainLlama(cfg, nnx.Rngs(seed)),
+    params = nnx.to_pure_dict(nnx.state(make_model(cfg, seed, recipe),
                                         nnx.Param))
     return {'params': params, 'opt_state': jax.jit(tx.init)(params)}
 

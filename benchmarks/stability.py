@@ -13,8 +13,8 @@ its own process with its run dir under --out-dir/<variant>_lr<lr>_seed<seed>
 Variants are `name=mode:section.field=value,...` as in benchmarks/e2e.py,
 over the precision overrides of e2e.MODE_OVERRIDES:
 
-  bf16  model.precision=bf16, optim.name=adamw (always run: the reference)
-  coat  model.precision=coat, optim.name=coat_adamw
+  bf16  model.recipe=bf16, optim.name=adamw (always run: the reference)
+  coat  model.recipe=coat, optim.name=coat_adamw
   e.g.  moments=bf16:optim.name=coat_adamw (FP8 moments, BF16 model)
         linear=fp8_linear:optim.name=adamw (FP8 GEMMs only)
         coat_block=coat:model.scaling=block

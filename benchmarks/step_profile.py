@@ -365,7 +365,7 @@ def profile(config, steps, gemms=False):
   setup = training.build(config)
   t = config.train
   tokens = np.random.default_rng(0).integers(
-      0, trainer.llama_config(config.model).vocab_size,
+      0, training.architecture(config.model).vocab_size,
       (t.batch_size, config.data.seq_len + 1), dtype=np.int32)
   sharding = sharding_lib.batch_sharding(setup.mesh)
   batch = [trainer.device_batch(x, sharding)

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import e2e
 from coat_jax import models
+from coat_jax import recipes
 
 
 def test_parse_variant_keeps_tuple_values():
@@ -154,11 +155,12 @@ def test_report_only_shows_the_latest_record_of_a_point(tmp_path, capsys):
 
 def test_train_config_applies_the_mode_then_the_overrides():
   config = e2e.train_config('tiny', 256, 4, 'fp8_linear', ['model.remat=full'])
-  assert (config.model.precision, config.optim.name) == ('fp8_linear',
-                                                         'adamw')
+  assert config.model.recipe == recipes.FP8_LINEAR
+  assert config.optim.name == 'adamw'
   assert (config.data.seq_len, config.train.batch_size) == (256, 4)
   assert config.model.remat == 'full' and config.train.checkpoint_every == 0
   assert config.model.max_seq_len is None  # the preset's 256 positions
   config = e2e.train_config('tiny', 4096, 1, 'bf16', ['optim.name=coat_adamw'])
-  assert (config.model.precision, config.optim.name) == ('bf16', 'coat_adamw')
+  assert config.model.recipe == recipes.BF16
+  assert config.optim.name == 'coat_adamw'
   assert config.model.max_seq_len == 4096

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 
 from benchmarks import matmul
 from coat_jax import training
-from coat_jax.training import trainer
 
 
 def test_in_step_gemms_are_the_1b_steps():
@@ -14,7 +13,7 @@ def test_in_step_gemms_are_the_1b_steps():
   the block step runs it: forward and dgrad to bf16, wgrad (X^T dY, the
   gradient as b) to float32, the fused Q/K/V, gate and up apart."""
   config = training.load_config('configs/llama_1b.py')
-  cfg = trainer.llama_config(config.model)
+  cfg = training.architecture(config.model)
   h, f = cfg.hidden_size, cfg.intermediate_size
   kv = h // cfg.num_heads * cfg.num_kv_heads
   t = config.train.batch_size * config.data.seq_len

@@ -133,7 +133,7 @@ def test_budget_stops_starting_runs(monkeypatch, tmp_path, capsys):
   # The first run ends at 40 s, the second at 80 s; a third would end at 120.
   assert len(started) == 2
   assert 'optim.learning_rate=0.001' in started[0]
-  assert {'model.precision=coat', 'optim.name=coat_adamw', 'data.seq_len=512',
+  assert {'model.recipe=coat', 'optim.name=coat_adamw', 'data.seq_len=512',
           'train.batch_size=16', 'train.steps=800'} <= set(started[1])
   text = capsys.readouterr().out
   assert 'stopped' not in text  # two runs were all there was
