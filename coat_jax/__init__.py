@@ -5,6 +5,8 @@ from coat_jax import nn
 from coat_jax import optim
 from coat_jax import quant
 from coat_jax import recipes
+from coat_jax.convert import ConversionReport
+from coat_jax.convert import convert
 from coat_jax.optim import ScaleByCoatAdamState
 from coat_jax.optim import coat_adamw
 from coat_jax.optim import fp8_states
@@ -18,8 +20,8 @@ from coat_jax.recipes import Recipe
 __version__ = '0.1.0'
 
 __all__ = [
-    'QuantizedArray', 'Recipe', 'ScaleByCoatAdamState', 'coat_adamw',
-    'dequantize', 'fp8_states', 'models', 'nn', 'optim', 'quant',
-    'quantize_per_group', 'quantize_per_tensor', 'recipes',
+    'ConversionReport', 'QuantizedArray', 'Recipe', 'ScaleByCoatAdamState',
+    'coat_adamw', 'convert', 'dequantize', 'fp8_states', 'models', 'nn',
+    'optim', 'quant', 'quantize_per_group', 'quantize_per_tensor', 'recipes',
     'scale_by_coat_adam',
 ]

@@ -1,10 +1,11 @@
 """Flax NNX layers whose saved activations are FP8 (COAT).
 
-`CoatLinear`, `CoatRMSNorm` and `CoatMLP` run as their `recipe` says
-(`coat_jax.recipes`); the functional forms (`fp8_dense`, `fp8_rms_norm`,
-`fp8_swiglu`) are `jax.custom_vjp`s whose forward saves only FP8 tensors and
-tiny scales. `silu`, `gelu`, `swiglu` and `geglu` are FP8-saving drop-ins for
-`jax.nn`'s, for activations in a model's own code.
+`CoatLinear`, `CoatRMSNorm`, `CoatLayerNorm` and `CoatMLP` run as their
+`recipe` says (`coat_jax.recipes`); the functional forms (`fp8_dense`,
+`fp8_rms_norm`, `fp8_layer_norm`, `fp8_swiglu`) are `jax.custom_vjp`s whose
+forward saves only FP8 tensors and tiny scales. `silu`, `gelu`, `swiglu` and
+`geglu` are FP8-saving drop-ins for `jax.nn`'s, for activations in a model's
+own code.
 """
 
 from coat_jax.nn.activations import fp8_swiglu
@@ -13,6 +14,9 @@ from coat_jax.nn.activations import gelu
 from coat_jax.nn.activations import silu
 from coat_jax.nn.activations import swiglu
 from coat_jax.nn.fp8_matmul import fp8_matmul
+from coat_jax.nn.layer_norm import CoatLayerNorm
+from coat_jax.nn.layer_norm import fp8_layer_norm
+from coat_jax.nn.layer_norm import layer_norm
 from coat_jax.nn.linear import CoatLinear
 from coat_jax.nn.linear import fp8_dense
 from coat_jax.nn.mlp import CoatMLP
@@ -25,8 +29,9 @@ from coat_jax.nn.residuals import activation_residuals
 from coat_jax.nn.residuals import saved_residuals
 
 __all__ = [
-    'CoatLinear', 'CoatMLP', 'CoatRMSNorm', 'LOGICAL_AXIS_RULES',
-    'activation_residuals', 'fp8_dense', 'fp8_gate_up_swiglu', 'fp8_matmul',
-    'fp8_rms_norm', 'fp8_swiglu', 'geglu', 'gelu',
-    'rms_norm', 'saved_residuals', 'silu', 'swiglu',
+    'CoatLayerNorm', 'CoatLinear', 'CoatMLP', 'CoatRMSNorm',
+    'LOGICAL_AXIS_RULES', 'activation_residuals', 'fp8_dense',
+    'fp8_gate_up_swiglu', 'fp8_layer_norm', 'fp8_matmul', 'fp8_rms_norm',
+    'fp8_swiglu', 'geglu', 'gelu', 'layer_norm', 'rms_norm',
+    'saved_residuals', 'silu', 'swiglu',
 ]

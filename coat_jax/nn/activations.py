@@ -129,7 +129,8 @@ def swiglu(gate: jax.Array, up: jax.Array, *,
     `fp8_swiglu` (the one-pass Pallas kernels on a Hopper GPU).
   """
   _check_pair(gate, up)
-  if (gate.ndim >= 1 and gate.shape[-1] % recipes.FP8_MULTIPLE == 0
+  if (isinstance(gate, jax.Array) and gate.ndim >= 1
+      and gate.shape[-1] % recipes.FP8_MULTIPLE == 0
       and jnp.dtype(gate.dtype) in (jnp.dtype(jnp.bfloat16),
                                     jnp.dtype(jnp.float32))):
     return fp8_swiglu(gate, up, group_size=group_size)
