@@ -5,8 +5,8 @@ from coat_jax import nn
 from coat_jax import optim
 from coat_jax import quant
 from coat_jax import recipes
-from coat_jax.convert import ConversionReport
-from coat_jax.convert import convert
+from coat_jax.conversion import ConversionReport
+from coat_jax.conversion import convert
 from coat_jax.optim import ScaleByCoatAdamState
 from coat_jax.optim import coat_adamw
 from coat_jax.optim import fp8_states

@@ -30,16 +30,16 @@ import orbax.checkpoint as ocp
 import pytest
 
 from benchmarks import plain_llama
-from benchmarks import step_memory
 import coat_jax
 from coat_jax import recipes
-from coat_jax.convert import Converted
-from coat_jax.convert import Skipped
+from coat_jax.conversion import Converted
+from coat_jax.conversion import Skipped
 from coat_jax.models import LlamaConfig
 from coat_jax.nn import CoatLayerNorm
 from coat_jax.nn import CoatLinear
 from coat_jax.nn import CoatRMSNorm
 from coat_jax.nn import residuals
+from tests import compiled_step
 
 # --- The models -------------------------------------------------------------
 
@@ -248,11 +248,11 @@ CASES = {
 
 def _compiled_loss_and_grads(model, loss, batch):
   """(temp bytes, loss, grads) of value_and_grad(loss) compiled as the GPU
-  compiler keeps it (`step_memory.gpu_like_options`)."""
+  compiler keeps it (`compiled_step.gpu_like_options`)."""
   graph, state = nnx.split(model)
   fn = jax.jit(jax.value_and_grad(
       lambda s, b: loss(nnx.merge(graph, s), b)))
-  compiled = fn.lower(state, batch).compile(step_memory.gpu_like_options())
+  compiled = fn.lower(state, batch).compile(compiled_step.gpu_like_options())
   return compiled.memory_analysis().temp_size_in_bytes, *compiled(state,
                                                                   batch)
 

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import plain_llama
 from coat_jax import models
+import coat_jax.nn as cnn
 
 
 def _coat_params_as_plain(coat_params: dict, num_layers: int) -> dict:
@@ -89,3 +90,25 @@ def test_attention_is_cudnn_flash_attention_on_gpu():
   hlo = step.lower(init_state(), tokens[:, :-1], tokens[:, 1:]).compile(
   ).as_text()
   assert 'cudnn$fmha' in hlo
+
+
+def test_converted_build_trains_with_fp8_layers_and_moments():
+  """e2e.py's mode 'converted': the plain model as a user converts it (the
+  SwiGLU drop-in, coat_jax.convert, coat_adamw) has the plain model's params
+  and trains."""
+  cfg = models.preset('qwen3_tiny')  # head_dim != hidden / heads, QK norms
+  model = plain_llama.make_model(cfg, recipe='coat')
+  assert isinstance(model.layers[0].mlp.up_proj, cnn.CoatLinear)
+  assert isinstance(model.layers[0].attn.q_norm, cnn.CoatRMSNorm)
+  plain = nnx.state(plain_llama.make_model(cfg), nnx.Param)
+  converted = nnx.state(model, nnx.Param)
+  assert (jax.tree.structure(plain) == jax.tree.structure(converted))
+  init_state, step = plain_llama.build(cfg, recipe='coat',
+                                       learning_rate=3e-3)
+  state = init_state()
+  tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, cfg.vocab_size)
+  losses = []
+  for _ in range(4):
+    state, metrics = step(state, tokens[:, :-1], tokens[:, 1:])
+    losses.append(float(metrics['loss']))
+  assert np.isfinite(losses).all() and losses[-1] < losses[0], losses

@@ -177,9 +177,9 @@ def test_errors():
   gate = jnp.ones((4, 32), jnp.bfloat16)
   for fn in (cnn.swiglu, cnn.geglu):
     with pytest.raises(ValueError, match=r'gate \(4, 32\) bfloat16 and up'
-                       r' \(4, 16\) bfloat16 must have one shape'):
+                       r' \(4, 16\) bfloat16 must have the same shape'):
       fn(gate, gate[:, :16])
-    with pytest.raises(ValueError, match='float32 must have one shape and'
+    with pytest.raises(ValueError, match='float32 must have the same shape and'
                        ' dtype'):
       fn(gate, gate.astype(jnp.float32))
   with pytest.raises(ValueError, match='activation_group_size=24'):
