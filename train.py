@@ -19,7 +19,7 @@ import shlex
 import sys
 
 # What train.py lets XLA preallocate when XLA_PYTHON_CLIENT_MEM_FRACTION is
-# not set (XLA's default, 0.75, leaves a quarter of an H200 unused; the
+# not set (XLA's default, 0.75, leaves a quarter of the GPU unused; the
 # rest is left to the CUDA context, cuDNN and cuBLAS workspaces).
 MEM_FRACTION = '0.95'
 MEM_FRACTION_ENV = 'XLA_PYTHON_CLIENT_MEM_FRACTION'
@@ -160,8 +160,8 @@ def _find_max_batch(config, limit, policies) -> int:
         f' device (seq_len {config.data.seq_len}, model.recipe='
         f'{config.model.recipe}):')
   # The configured layer layout first, then the other: unrolled layers run
-  # faster, scanned ones with remat 'full' keep the least (1b coat compiled
-  # for an H200: temp 4.65 GiB against 6.41; RESULTS.md "gpu-compile").
+  # faster, scanned ones with remat 'full' keep the least
+  # (docs/decisions.md#scanned).
   configured = config_lib.architecture(config.model).scan_layers
   for scan in (configured, not configured):
     config.model.scan_layers = scan

@@ -1,17 +1,12 @@
-"""Llama-2-7B dimensions in coat mode; shard with --set mesh.fsdp=N.
+"""Llama-2-7B dimensions with the COAT recipe; shard with --set mesh.fsdp=N.
 
-The fastest setting measured on one H200: unrolled layers (the default)
-without remat ('auto' stands for 'none' there), batch 16 x 2048: 21.4K
-tokens/s in train.py with evaluation and a checkpoint, peak 130.3 GiB of
-the 132.8 that train.py's default XLA_PYTHON_CLIENT_MEM_FRACTION (0.95)
-allows (2026-11-26; e2e.py: 21.1K, 1.56x a plain BF16 Llama at its
-largest batch). Less headroom wanted: batch 12 (20.3K, 108.6 GiB) or 8
-(19.1K, 90.6 GiB); remat 'minimal' at batch 8 18.7K, scanned 17.4K.
+The fastest setting measured on one H200 (benchmarks/RESULTS.md "e2e-7b"):
+unrolled layers (the default) without remat ('auto' stands for 'none'
+there), batch 16 x 2048, which fills train.py's default
+XLA_PYTHON_CLIENT_MEM_FRACTION (0.95); smaller batches leave headroom.
 Scanned layers (--set model.scan_layers=true) run remat 'full' under
-'auto': batch 32 17.2K, 77.5 GiB (benchmarks/RESULTS.md "e2e-7b").
-Longer sequences (4 x 16384) need remat 'full' (scanned: 11.8K, 77.5
-GiB). `python train.py --config configs/llama2_7b.py --estimate` prints
-the memory plan without training.
+'auto' and fit batch 32, or 4 x 16384. `python train.py --config
+configs/llama2_7b.py --estimate` prints the memory plan without training.
 """
 
 from coat_jax.training import Config

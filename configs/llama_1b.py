@@ -1,11 +1,10 @@
-"""A 1B Llama (TinyLlama shape) in coat mode (one or more GPUs).
+"""A 1B Llama (TinyLlama shape) with the COAT recipe (one or more GPUs).
 
 Unrolled layers (the default) without remat (`model.remat='auto'` stands
-for 'none' there): the fastest measured on one H200, 99.2K tokens/s at
-batch 8, 1.31x a plain BF16 Llama, 20.0 GiB (benchmarks/RESULTS.md
-"e2e-1b"). Scanned layers compile in ~6 s instead of ~18 s:
---set model.scan_layers=true, where 'auto' stands for remat 'full' (74.8K
-tokens/s, 10.9 GiB; with --set model.remat=minimal 85.1K, 22.0 GiB).
+for 'none' there): the fastest setting measured on one H200
+(benchmarks/RESULTS.md "e2e-1b"). Scanned layers compile faster and keep
+the least: --set model.scan_layers=true, where 'auto' stands for remat
+'full' (docs/decisions.md#scanned).
 """
 
 from coat_jax.training import Config

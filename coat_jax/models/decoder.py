@@ -442,8 +442,8 @@ class DecoderLayer(nnx.Module):
     # max |dx| (`coat_jax.nn.norm`), where both are FP8 with one scale and
     # the norms' kernels run (one Hopper GPU). Where XLA quantizes (several
     # devices), XLA fuses the projections' own amax passes into the norms'
-    # backward fusions anyway, and with slots it kept more (RESULTS.md
-    # "gpu-compile").
+    # backward fusions anyway, and with slots it kept more
+    # (docs/decisions.md#comment-figures).
     self.grad_amax_slots = (recipe.fp8_matmuls and recipe.fp8_activations
                             and recipe.scaling == 'tensor'
                             and placement == 'pre' and not xla_quantizes())
@@ -577,8 +577,8 @@ class Decoder(nnx.Module):
     # projection that wrote it last (`DecoderLayer`); the first layer's is
     # a zero whose cotangent nothing takes, the last layer's is filled
     # before the final (BF16) norm. Scanned layers use slots only within a
-    # layer: one in the scan's carry made XLA keep more (RESULTS.md
-    # "gpu-compile").
+    # layer: one in the scan's carry made XLA keep more
+    # (docs/decisions.md#comment-figures).
     slots = self.layers.grad_amax_slots and not config.scan_layers
     stream = (x, jnp.zeros((), jnp.float32) if slots else None)
     graphdef, stacked = nnx.split(self.layers)
@@ -614,7 +614,7 @@ class Decoder(nnx.Module):
     cast to float32 after the loop: half the stack. Without FP8 matmuls
     they are bf16-valued anyway (same bits); with them the wgrads are
     rounded to bf16 (8 bits of mantissa, as a BF16 model's; the FP8 moments
-    keep 3). RESULTS.md "gpu-compile" has the temp sizes.
+    keep 3). docs/decisions.md#comment-figures has the temp sizes.
 
     The out projections save their own FP8 copy of the attention output:
     saving flash attention's o instead stacks o a second time under scan.
@@ -698,7 +698,7 @@ def _row_major_weights(params):
   Without it XLA lays the stacked float32 weights out transposed for the
   whole loop, so that its FP8 weight quantizer writes W^T in order: a
   transposed copy of every stacked weight before the loop, alive through
-  it (RESULTS.md "gpu-compile"). On several devices the SPMD partitioner
+  it (docs/decisions.md#comment-figures). On several devices the SPMD partitioner
   would gather each weight whole for the constraint (a custom call), so the
   scan does without it there.
   """

@@ -32,8 +32,8 @@ def chunked_cross_entropy(
     targets: (...) integer class ids; negative ids are ignored.
     chunk_size: tokens per chunk. Each chunk adds its weight gradient into a
       float32 (H, V) sum, read and written once a chunk: 2048 rather than
-      1024 made the 1b train step 0.55% faster for 0.1 GiB more (H200,
-      benchmarks/RESULTS.md "e2e-1b").
+      1024 is faster for a little more memory
+      (docs/decisions.md#comment-figures).
     dtype: matmul input dtype; logits accumulate in float32.
 
   Under an FSDP mesh (`coat_jax.nn.fsdp`: Auto axes, tokens sharded over
@@ -70,8 +70,7 @@ def _per_device_totals(h, head, t, chunk_size, dtype):
   logits (262 MB a chunk at vocab 32000) on the critical path; under data
   parallelism every device gathered and ran the whole batch's chunks. Here
   the float32 head is all-gathered once and its gradient all-reduced once
-  (Llama-2-7B dims on 4 H200s: 1.09x the step's tokens/s at 22 sequences
-  a GPU, benchmarks/RESULTS.md "fsdp-4").
+  (docs/decisions.md#comment-figures).
   """
   axes = fsdp.BATCH_AXES
 

@@ -18,30 +18,22 @@ follow MaxText's `remat_policy`:
   forward and back in backward (GPU only: needs host memory spaces).
 - 'full': keeps only each layer's input; backward reruns the layer's whole
   forward (about one extra forward pass of FLOPs).
-- 'auto' (the default): for unrolled layers 'none' in 'coat' mode, whose
-  custom_vjps already keep only FP8 residuals ('minimal' keeps the same
-  there and recomputes elementwise work: 1b, batch 8, H200: 20.13 vs 20.15
-  GiB, 169.4 vs 168.1 ms, benchmarks/RESULTS.md "e2e-1b"), 'minimal' in
-  'bf16' and 'fp8_linear' (less than 'none' keeps). For scanned layers
-  'full', as MaxText's default: with 'minimal' the scan's backward stacks
-  every layer's weight gradient while every stacked residual is live, more
-  than unrolled layers keep at their peak (1b coat, batch 8, compiled for
-  an H200: 15.50 against 13.63 GiB temp; on a 4-layer, 256-wide bf16
-  model 171 against 144 MiB), so a scanned step would need more memory
-  than the default unrolled one. 'full' costs one more forward pass
-  (coat, measured: peak 10.9 GiB and 74.8K tokens/s scanned with 'full',
-  22.0 GiB and 85.1K with 'minimal', 19.9 GiB and 96.2K unrolled;
-  RESULTS.md "e2e-1b"). `resolve` names the policy it stands for.
+- 'auto' (the default): for unrolled layers with FP8 activations (COAT)
+  'none', whose custom_vjps already keep only FP8 residuals ('minimal'
+  keeps the same there and recomputes elementwise work), 'minimal' for the
+  other recipes (less than 'none' keeps). For scanned layers 'full', as
+  MaxText's default: with 'minimal' the scan's backward stacks every
+  layer's weight gradient while every stacked residual is live, more than
+  unrolled layers keep at their peak, so a scanned step would need more
+  memory than the default unrolled one; 'full' costs one more forward pass
+  (docs/decisions.md#scanned). `resolve` names the policy it stands for.
 
 Under the layer scan, 'minimal', 'minimal_offloaded' and 'full' requantize
 the weights in backward instead of keeping their FP8 codes: kept, scan
 would stack a copy of every layer's codes (1 byte a param) next to the
 params it slices each layer from anyway. Unrolled layers keep them:
 requantized, the float32 weight slices live until backward instead.
-'none' keeps them in both. Compiled for an H100 (1b, batch 8,
-`benchmarks/gpu_compile.py`), the train step's temp with the codes kept
-against requantized: unrolled 'minimal' 13.8 against 16.4 GiB; scanned
-'none' 18.3 against 17.4 GiB.
+'none' keeps them in both (docs/decisions.md#comment-figures).
 """
 
 from collections.abc import Callable

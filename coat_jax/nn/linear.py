@@ -24,7 +24,7 @@ An input that its producer keeps for backward anyway (flash attention's
 output, the out projection's input) is reused (`reuse_input`): the layer
 saves it as it is and quantizes its transpose again in backward.
 
-`scaling='block'` (DeepSeek-V3 granularity, DESIGN section 1) replaces the
+`scaling='block'` (DeepSeek-V3's granularity, docs/design.md) replaces the
 per-tensor scales: the input and the output gradients in 1x128 tiles along
 the GEMM's K, each with its transposed copy (the wgrad operands) from the
 same pass: x^T tiled along the tokens (A: a scale per row per 128 tokens),
@@ -37,7 +37,7 @@ float32 inside the GEMM; its gradient quantized from the parts in one pass,
 `quantize_blockwise_parts`), and the dgrad parts of unfused kernels (gate/up)
 are summed in the GEMMs' epilogues; a skip connection (`residual`) is added
 in the forward GEMM's epilogue too: no XLA add runs beside the Mosaic
-kernels (1b step on an H200: 188.1 -> 183.5 ms, RESULTS.md "e2e-1b").
+kernels.
 """
 
 from collections.abc import Sequence
@@ -235,9 +235,8 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
   if grad_amaxes is None and not xla_quantizes():
     # Before the barrier, so that XLA can fuse each into the fusion that
     # produces g (the residual stream's gradients: RMSNorm backward and
-    # the residual add). 1b coat step on an H200: 184.1 -> 183.4 ms, three
-    # rounds each (RESULTS.md "e2e-1b"). Not under FSDP (XLA's quantizer):
-    # there XLA then kept 0.7 GiB more per device (1b, 2 GPUs, compiled).
+    # the residual add). Not under FSDP (XLA's quantizer): there XLA then
+    # kept more per device (docs/decisions.md#comment-figures).
     grad_amaxes = tuple(_amax(g) for g in grads)
   saved, grads = after_grads(residuals, grads)
   *saved, weights = saved
@@ -267,8 +266,8 @@ def fp8_dense_2d_bwd(kernel_dtypes, implementation, gather_axes,
     part = fp8_matmul(g_values, w, g_scale, w_scale, out_dtype=dtype,
                       implementation=implementation)
     # Summed in dtype, as a BF16 model's autodiff sums them: XLA adds most
-    # into the next GEMM's C operand (float32 parts and their casts: 1b
-    # step 188.2 / 189.7 -> 185.9 ms on an H200, RESULTS.md "e2e-1b").
+    # into the next GEMM's C operand (float32 parts and their casts were
+    # slower: docs/decisions.md#comment-figures).
     dx = part if dx is None else dx + part
     dkernels.append(_wgrad(x_t, g_t, x_scale, g_scale, w_dtype, dtype,
                            implementation))
@@ -343,9 +342,7 @@ def _weight_blocks(w):
   XLA's quantizer, not the Pallas kernel: XLA reads the layer's slice of the
   stacked weights inside its own fusions (one reduction, then one pass that
   writes W's and W^T's codes), while a Pallas call needs the slice copied
-  out first. One layer's (2048, 5632) weight on an H200: 43.7 against 63.9
-  us of kernel time; the 1b block step 0.2% faster (median of five paired
-  runs; RESULTS.md "quantize-blockwise"). The same codes either way.
+  out first (docs/decisions.md#comment-figures). The same codes either way.
   """
   values, scales, _, _ = block_quant.quantize_blockwise(
       w, (block_quant.TILE, block_quant.TILE), 'e4m3', implementation='xla')
@@ -404,12 +401,13 @@ def _fp8_dense_block_bwd(kernel_dtypes, implementation, gather_axes,
   rows = grads[0].shape[0]
   widths = [g.shape[1] for g in grads]
   # g^T, wgrad's B operand, in 128x128 blocks: the block-scaled GEMM runs
-  # per-row B scales at 0.6x the speed of per-block ones (NOTES.md).
+  # per-row B scales at 0.6x the speed of per-block ones
+  # (docs/fp8_matmul.md).
   g_blocks = (block_quant.TILE, block_quant.TILE)
   if fused:
     # One (M, sum N_i) gradient: its tiles and blocks are the parts' own
     # (`block_fusable`), quantized from the parts in one pass (no joined
-    # copy written: 1.0 ms of the 1b step on an H200).
+    # copy written).
     quantized = [block_quant.quantize_blockwise_parts(
         [_pad_tokens(g) for g in grads], grad_dtype, transpose=True,
         transpose_block=g_blocks)]

@@ -51,11 +51,9 @@ def with_residuals(outputs: Any, residuals: Any) -> tuple[Any, Any]:
   residuals exist before anything reads its outputs: under SPMD
   partitioning (FSDP) XLA's scheduler otherwise puts off the quantization
   until backward and keeps the bfloat16 GEMM outputs alive across the
-  later layers instead (1b, FSDP on 2 H200s: peak 11.20 -> 10.45 GiB per
-  device, step time within noise; compiled for 2 H100s with jax 0.10.2,
-  temp 9.97 -> 7.54 GiB; RESULTS.md "gpu-compile"). Not where the Pallas
-  kernels quantize (one Hopper GPU): they write their codes in forward
-  anyway, and there the barrier made the 1b step 1.6% slower.
+  later layers instead (docs/decisions.md#comment-figures). Not where the
+  Pallas kernels quantize (one Hopper GPU): they write their codes in
+  forward anyway, and there the barrier slowed the step.
   """
   if xla_quantizes():
     outputs, residuals = jax.lax.optimization_barrier((outputs, residuals))
@@ -70,10 +68,9 @@ def reduced_now(grads: Any) -> Any:
   returns them this way, so that the sum is taken where its terms are
   computed. Under SPMD partitioning (FSDP) XLA otherwise wrote each RMSNorm
   gain's float32 terms g * x_hat (a whole activation) in backward and
-  summed them only at its end, all of them alive at the peak (Llama-2-7B,
-  FSDP on 4 H200s, batch 2 per device, compiled: 60 x 64 MiB per device;
-  temp 15.38 -> 13.24 GiB). Not on one Hopper GPU, where the Pallas kernel
-  sums in its own pass.
+  summed them only at its end, all of them alive at the peak
+  (docs/decisions.md#comment-figures). Not on one Hopper GPU, where the
+  Pallas kernel sums in its own pass.
   """
   return jax.lax.optimization_barrier(grads) if xla_quantizes() else grads
 

@@ -132,8 +132,8 @@ def fused_coat_adamw(
             f' {p.shape}: a stacked param (L, ...) takes exactly L.')
       if not fused_step.runs_kernel(p.dtype, group_size, impl):
         # The jnp step would rewrite the whole stack for each layer; XLA
-        # did so in a transposed copy of it under data parallelism (1b, 2
-        # GPUs, compiled: 17.55 GiB per device against 8.09 stacked).
+        # did so in a transposed copy of it under data parallelism
+        # (docs/decisions.md#comment-figures).
         return run(p, jnp.stack(g), m, v)
       for layer, g_layer in enumerate(g):  # in place, layer by layer
         p, m, v = run(p, g_layer, m, v, layer)
@@ -154,9 +154,8 @@ def fused_coat_adamw(
         # XLA's steps: one leaf after the other, each once its gradient
         # exists. Otherwise XLA decoded the moments during backward (into
         # four byte masks an element, alive at the step's peak) and
-        # stacked several leaves' gradients at once (Llama-2-7B, FSDP on 4
-        # H200s, batch 2 per device, compiled: temp 13.24 -> 12.68 GiB per
-        # device, after the norm's `reduced_now`). The kernel steps in place.
+        # stacked several leaves' gradients at once
+        # (docs/decisions.md#comment-figures). The kernel steps in place.
         out[-1:], (p, g, m, v) = jax.lax.optimization_barrier(
             (out[-1:], (p, g, m, v)))
       out.append(step_leaf(p, g, m, v, d, spec))

@@ -123,9 +123,8 @@ def quantize_blockwise(
       (K, prod(shape[:-1])) in 1x128 tiles along its last axis (the tokens),
       quantized in the same pass: what a weight-gradient GEMM reads.
     pow2_scales: power-of-two scales (exact rescaling; a tile's max no
-      longer lands on fp8_max: 1.03-1.22x the error of float32 scales on a
-      trained 125m's activations and gradients, so the layers use float32
-      ones; `benchmarks/block_scales.py`).
+      longer lands on fp8_max, so the error grows and the layers use
+      float32 ones: docs/decisions.md#comment-figures).
     transpose_block: with transpose, (1, 128) or (128, 128): the transposed
       view in 128x128 blocks instead.
     implementation: 'xla', 'pallas' or None (fastest available).

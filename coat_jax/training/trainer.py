@@ -82,8 +82,8 @@ def _fused_update(config: config_lib.Config, specs: Any = None):
   shards with the Pallas kernel).
 
   The global-norm clipping of `make_optimizer` is folded into the kernel as
-  a gradient scale (optax's clip writes a scaled copy of every gradient:
-  4.7 ms of the 1b step on an H200, RESULTS.md "e2e-1b"). It scales
+  a gradient scale (optax's clip writes a scaled copy of every gradient,
+  docs/decisions.md#comment-figures). It scales
   by max_norm / norm where optax divides by the norm and multiplies by
   max_norm: the same up to rounding.
   """
@@ -127,8 +127,8 @@ class Setup:
 
 # XLA_FLAGS under which jax 0.11.2 fails to run a GPU program that holds
 # cuDNN flash attention's backward more than once (IndexError: absl ...
-# raw_hash_map<>::at, at the first step; H200, 2026-11-26): unrolled
-# layers do, a layer scan holds one.
+# raw_hash_map<>::at, at the first step): unrolled layers do, a layer scan
+# holds one.
 _DETERMINISTIC_FLAGS = ('--xla_gpu_deterministic_ops',
                         '--xla_gpu_exclude_nondeterministic_ops')
 
@@ -151,9 +151,8 @@ def check_deterministic_layers(model: decoder.DecoderConfig,
 
 # XLA's GPU scheduler lets one async collective run at a time unless told
 # otherwise; with four, the FSDP step's gradient reduce-scatters run under
-# the next layers' GEMMs (Llama-2-7B dims, coat, FSDP on 2 H200s: NCCL time
-# not hidden 48.8 -> 38.5 ms a step, 279.9 -> 275.0 ms; benchmarks/
-# RESULTS.md "fsdp-4"). One device has no collectives to overlap.
+# the next layers' GEMMs (docs/decisions.md#comment-figures). One device has
+# no collectives to overlap.
 COLLECTIVE_OVERLAP_FLAG = (
     'xla_gpu_experimental_parallel_collective_overlap_limit')
 COLLECTIVE_OVERLAP_LIMIT = 4
@@ -386,9 +385,8 @@ def device_batch(batch: Any, sharding_: jax.sharding.Sharding):
 
   The slices are cut where the array is: under a caller's jax.set_mesh an
   eager slice of a device array is replicated on every device of the mesh,
-  with the whole array copied there first (Llama-2-7B's params placed
-  this way, FSDP on 4 H200s: devices 1-3 peaked at 47.8 GiB, twice the
-  float32 layer stack).
+  with the whole array copied there first (for FSDP's params: twice the
+  float32 layer stack on every device).
   """
   def slice_of(idx):
     with jax.set_mesh(None):
