@@ -698,9 +698,9 @@ def _row_major_weights(params):
   Without it XLA lays the stacked float32 weights out transposed for the
   whole loop, so that its FP8 weight quantizer writes W^T in order: a
   transposed copy of every stacked weight before the loop, alive through
-  it (docs/decisions.md#comment-figures). On several devices the SPMD partitioner
-  would gather each weight whole for the constraint (a custom call), so the
-  scan does without it there.
+  it (docs/decisions.md#comment-figures). On several devices the SPMD
+  partitioner would gather each weight whole for the constraint (a custom
+  call), so the scan does without it there.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if not (mesh.empty or mesh.size == 1):
