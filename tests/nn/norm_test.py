@@ -159,7 +159,8 @@ def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, pick_pallas):
   x, scale, g_x, g_y = _with_input_case(implementation, pick_pallas)
   slot = jnp.zeros((), jnp.float32)
   cases = [
-      (lambda x, s: norm_lib.fp8_rms_norm_with_input(x, scale, grad_amax_slot=s),
+      (lambda x, s: norm_lib.fp8_rms_norm_with_input(x, scale,
+                                                     grad_amax_slot=s),
        lambda x: norm_lib.fp8_rms_norm_with_input(x, scale),
        lambda g: (g_x, g, jnp.float32(0))),
       (lambda x, s: cnn.fp8_rms_norm(x, scale, grad_amax_slot=s),
