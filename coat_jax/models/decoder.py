@@ -338,9 +338,10 @@ class Attention(nnx.Module):
   all heads' features), a custom softmax scale (`DecoderConfig`).
   """
 
-  def __init__(self, config: DecoderConfig, *, recipe: recipes.Recipe,
-               dtype: Any, param_dtype: Any, implementation: str | None,
-               rngs: nnx.Rngs):
+  def __init__(self, config: DecoderConfig, *,
+               recipe: recipes.Recipe | str, dtype: Any, param_dtype: Any,
+               implementation: str | None, rngs: nnx.Rngs):
+    recipe = recipes.get(recipe)
     h, d = config.hidden_size, config.head_features
     kw = dict(dtype=dtype, param_dtype=param_dtype, recipe=recipe,
               implementation=implementation,
@@ -414,9 +415,10 @@ class DecoderLayer(nnx.Module):
   attn(norm(x)), then h + mlp(norm(h))), 'post' (x + norm(attn(x)), ...) or
   'sandwich' (x + norm(attn(norm(x))), ...)."""
 
-  def __init__(self, config: DecoderConfig, *, recipe: recipes.Recipe,
-               dtype: Any, param_dtype: Any, implementation: str | None,
-               rngs: nnx.Rngs):
+  def __init__(self, config: DecoderConfig, *,
+               recipe: recipes.Recipe | str, dtype: Any, param_dtype: Any,
+               implementation: str | None, rngs: nnx.Rngs):
+    recipe = recipes.get(recipe)
     kw = dict(recipe=recipe, dtype=dtype, param_dtype=param_dtype)
     norm = functools.partial(
         CoatRMSNorm, config.hidden_size, epsilon=config.rms_norm_eps,

@@ -10,6 +10,7 @@ subclass with its defaults and presets, and a `Family` whose `from_hf` and
 from collections.abc import Callable
 from collections.abc import Mapping
 import dataclasses
+import json
 from typing import Any
 
 from coat_jax.models import decoder
@@ -90,10 +91,11 @@ FROM_CHECKPOINT = {
 
 
 def unsupported(hf: dict, key: str, value: Any, supported: str) -> None:
-  """Raises ValueError naming config.json's `key`, its `value` and what is
-  supported."""
-  raise ValueError(f"config.json: {key}={value!r} is not supported"
-                   f" (model_type {hf.get('model_type')!r}); {supported}.")
+  """Raises ValueError naming config.json's `key`, its `value` (as JSON
+  spells it) and what is supported."""
+  raise ValueError(f'config.json: {key}={json.dumps(value)} is not'
+                   f" supported (model_type {hf.get('model_type')!r});"
+                   f' {supported}.')
 
 
 def require(hf: dict, key: str, allowed: tuple, default: Any = None) -> Any:
@@ -120,24 +122,28 @@ def shared_from_hf(hf: dict) -> dict:
   head_dim = hf.get('head_dim')
   if head_dim is not None and head_dim * heads != hf['hidden_size']:
     fields['head_dim'] = head_dim
-  theta, scaling = rope_from_hf(hf, rope_parameters(hf, 'full_attention'))
+  theta, scaling = rope_from_hf(hf, *rope_parameters(hf, 'full_attention'))
   fields.update(rope_theta=theta, rope_scaling=scaling)
   return fields
 
 
-def rope_parameters(hf: dict, layer_type: str) -> dict:
-  """The RoPE parameters of one layer type from transformers 5's
-  rope_parameters (flat, or per layer type as Gemma 3 writes them) or the
-  older rope_scaling, {} if none."""
+def rope_parameters(hf: dict, layer_type: str) -> tuple[str, dict]:
+  """(config.json key, the RoPE parameters) of one layer type from
+  transformers 5's rope_parameters (flat, or per layer type as Gemma 3
+  writes them) or the older rope_scaling; {} if none."""
   params = hf.get('rope_parameters')
   if params and layer_type in params:
-    return params[layer_type] or {}
-  return params or hf.get('rope_scaling') or {}
+    return f'rope_parameters.{layer_type}', params[layer_type] or {}
+  if params:
+    return 'rope_parameters', params
+  return 'rope_scaling', hf.get('rope_scaling') or {}
 
 
-def rope_from_hf(hf: dict, params: dict, default_theta: float = 10000.0
+def rope_from_hf(hf: dict, key: str, params: dict,
+                 default_theta: float = 10000.0
                  ) -> tuple[float, decoder.RopeScaling | None]:
-  """(rope_theta, scaling) of RoPE parameters (`rope_parameters`)."""
+  """(rope_theta, scaling) of the RoPE parameters under config.json's `key`
+  (`rope_parameters`)."""
   theta = float(params.get('rope_theta', hf.get('rope_theta', default_theta)))
   kind = params.get('rope_type', params.get('type'))
   if kind in (None, 'default'):
@@ -154,10 +160,10 @@ def rope_from_hf(hf: dict, params: dict, default_theta: float = 10000.0
           original_max_position_embeddings=int(
               params['original_max_position_embeddings']))
   except KeyError as e:
-    raise ValueError(f'config.json: RoPE parameters of rope_type {kind!r}'
-                     f' lack {e.args[0]!r}.') from None
-  unsupported(hf, 'rope_type', kind,
-              "supported: None, 'default', 'linear', 'llama3'")
+    raise ValueError(f'config.json: {key} of rope_type {kind!r} lacks'
+                     f' {e.args[0]!r}.') from None
+  unsupported(hf, f'{key}.rope_type', kind,
+              "supported: null, 'default', 'linear', 'llama3'")
 
 
 def rope_scaling_to_hf(scaling: decoder.RopeScaling | None) -> dict | None:

@@ -307,6 +307,7 @@ def validate(config: Config, num_devices: int) -> None:
   """
   for section in dataclasses.fields(config):
     sub = getattr(config, section.name)
+    _check_no_unknown_attributes(section.name, sub)
     hints = typing.get_type_hints(type(sub))
     for f in dataclasses.fields(sub):
       value = getattr(sub, f.name)
@@ -362,6 +363,21 @@ def validate(config: Config, num_devices: int) -> None:
         f'the microbatch ({t.batch_size} / {t.microbatches} = {micro}) must be'
         f' divisible by mesh.data x mesh.fsdp = {data_shards}: change'
         ' train.batch_size, train.microbatches or the mesh.')
+
+
+def _check_no_unknown_attributes(section: str, sub: Any) -> None:
+  """Raises ValueError for an attribute a config file set that is no field
+  of its section (it would be ignored), naming the field to use."""
+  for name in sorted(set(vars(sub)) - set(_field_names(type(sub)))):
+    if section == 'model' and name in LEGACY_RECIPE_FIELDS:
+      inner = LEGACY_RECIPE_FIELDS[name]
+      use = ('model.recipe = ...' if inner is None else
+             f'model.recipe = dataclasses.replace(recipe, {inner}=...)')
+      raise ValueError(f'model.{name} is the older name of a recipe setting'
+                       f' and is not read: set {use} (a preset name or a'
+                       ' coat_jax.Recipe).')
+    raise ValueError(f'{section}.{name} is no field of {section} and would'
+                     f' be ignored; its fields: {_field_names(type(sub))}.')
 
 
 def _one_of(name: str, value: Any, allowed: tuple) -> None:

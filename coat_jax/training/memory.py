@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coat_jax import recipes
 from coat_jax.models import remat as remat_lib
 from coat_jax.training import config as config_lib
 from coat_jax.training import sharding
@@ -137,16 +138,19 @@ def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
   """Raises ValueError, naming the settings to change, if `mem` won't fit."""
   if mem.fits:
     return
-  others = [p for p in remat_lib.POLICIES if p != config.model.remat]
+  arch = config_lib.architecture(config.model)
+  recipe = config_lib.recipe(config.model)
+  policy = remat_lib.resolve(arch.remat, recipe, arch.scan_layers)
+  others = [p for p in remat_lib.POLICIES if p != policy]
   raise ValueError(
       f'this run needs {mem.total / GIB:.2f} GiB per device but the device'
       f' allows {mem.limit / GIB:.2f} GiB (train.batch_size='
-      f'{config.train.batch_size}, model.remat={config.model.remat!r},'
-      f' model.recipe={config.model.recipe!r}). Options: a smaller'
-      ' train.batch_size (or more train.microbatches); a remat policy that'
-      f' keeps less (model.remat one of {others}; \'full\' keeps least,'
-      ' with model.scan_layers=true less still); more devices, or'
-      ' mesh.fsdp > 1 to shard params and optimizer state; or raise'
+      f'{config.train.batch_size}, model.remat={arch.remat!r},'
+      f' model.recipe={recipes.name_of(recipe) or recipe}). Options: a'
+      ' smaller train.batch_size (or more train.microbatches); a remat'
+      f' policy that keeps less (model.remat one of {others}; \'full\''
+      ' keeps least, with model.scan_layers=true less still); more devices,'
+      ' or mesh.fsdp > 1 to shard params and optimizer state; or raise'
       ' XLA_PYTHON_CLIENT_MEM_FRACTION. `python train.py --find-max-batch'
       ' ...` finds the largest batch per layer layout and policy.')
 

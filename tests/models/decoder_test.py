@@ -1,4 +1,5 @@
-"""Llama in three precision modes: shapes, loss, residuals, gradients."""
+"""The decoder stack (as Llama) in three recipes: shapes, loss, residuals,
+gradients."""
 
 import dataclasses
 
@@ -8,10 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coat_jax import recipes
 import coat_jax.models as cm
-from coat_jax.models.llama import DecoderLayer
-from coat_jax.models.llama import rope_tables
+from coat_jax.models.decoder import DecoderLayer
+from coat_jax.models.decoder import rope_tables
 import coat_jax.nn as cnn
+from coat_jax.nn import residuals
 from coat_jax.quant import dequantize
 from coat_jax.quant import quantize_per_tensor
 from coat_jax.training import DataConfig
@@ -30,10 +33,8 @@ def _tokens(cfg, batch, seq, key=None, period=None):
   return jnp.tile(block, (1, -(-seq // period)))[:, :seq]
 
 
-def _grads(cfg, precision, tokens, targets, e4m3_kernels=False,
-           scaling='tensor', fuse_qkv=True):
-  model = cm.Llama(cfg, precision=precision, scaling=scaling,
-                   fuse_qkv=fuse_qkv, rngs=nnx.Rngs(0))
+def _grads(cfg, recipe, tokens, targets, e4m3_kernels=False):
+  model = cm.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
   if e4m3_kernels:
     state = _e4m3_kernels(state)
@@ -47,7 +48,7 @@ def _grads(cfg, precision, tokens, targets, e4m3_kernels=False,
 def _e4m3_kernels(state):
   """The linear layers' kernels as the FP8 GEMMs see them: rounded to E4M3
   with one scale per layer's matrix (the stacked axis 0 is the layer), one
-  for q/k/v together (`Llama`'s fuse_qkv, the default)."""
+  for q/k/v together (the recipe's fuse_qkv, the default)."""
   def per_tensor(w):
     return dequantize(quantize_per_tensor(w, 'e4m3'), w.dtype)
 
@@ -75,7 +76,7 @@ def _cos(a, b):
 def test_presets():
   cfg = cm.LlamaConfig.preset('llama2_7b')
   assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
-          cfg.head_dim) == (4096, 11008, 32, 128)
+          cfg.head_features) == (4096, 11008, 32, 128)
   assert cm.LlamaConfig.preset('llama2_13b').hidden_size == 5120
   assert cm.LlamaConfig.preset('1b').num_kv_heads == 4
   assert cm.LlamaConfig.preset('125m').tie_embeddings
@@ -86,15 +87,15 @@ def test_presets():
     cm.LlamaConfig.preset('tiny', num_kv_heads=3)
 
 
-@pytest.mark.parametrize('precision', MODES)
-def test_layers_unrolled_by_default(precision):
+@pytest.mark.parametrize('recipe', MODES)
+def test_layers_unrolled_by_default(recipe):
   """Unrolled layers are the default (each mode's faster layout, measured);
   scan_layers=True runs one loop over the layers."""
   tokens = jnp.zeros((2, 16), jnp.int32)
   for cfg, scans in ((cm.LlamaConfig.preset('tiny'), False),
                      (cm.LlamaConfig.preset('tiny', scan_layers=True), True)):
     graph, state = nnx.split(
-        cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)))
+        cm.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
     jaxpr = jax.make_jaxpr(
         lambda s: cm.lm_loss(nnx.merge(graph, s), tokens, tokens))(state)
     assert bool(_scan_outputs(jaxpr.jaxpr, cfg.num_layers)) is scans
@@ -102,10 +103,10 @@ def test_layers_unrolled_by_default(precision):
     cm.LlamaConfig.preset('tiny', scan_layers='yes')
 
 
-@pytest.mark.parametrize('precision', MODES)
-def test_forward_and_loss(precision):
+@pytest.mark.parametrize('recipe', MODES)
+def test_forward_and_loss(recipe):
   cfg = cm.LlamaConfig.preset('tiny')
-  model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
+  model = cm.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0))
   tokens = _tokens(cfg, 2, 24)
   targets = jnp.roll(tokens, -1, axis=1).at[0, -1].set(-1)  # one ignored
   logits, loss = nnx.jit(lambda m, t, y: (m(t), cm.lm_loss(m, t, y,
@@ -121,19 +122,19 @@ def test_forward_and_loss(precision):
   assert abs(float(loss) - np.log(cfg.vocab_size)) < 0.5
 
 
-@pytest.mark.parametrize('precision', ('bf16', 'coat'))
-def test_unrolled_layers_equal_scanned(precision):
+@pytest.mark.parametrize('recipe', ('bf16', 'coat'))
+def test_unrolled_layers_equal_scanned(recipe):
   tokens = _tokens(cm.LlamaConfig.preset('tiny'), 2, 32, jax.random.key(3))
   targets = jnp.roll(tokens, -1, axis=1)
   results = [
       _grads(cm.LlamaConfig.preset('tiny', num_layers=3, scan_layers=scan),
-             precision, tokens, targets)
+             recipe, tokens, targets)
       for scan in (True, False)]
   (loss_scan, g_scan), (loss_loop, g_loop) = results
   # The same math; XLA may fuse the unrolled layers differently, which moves
   # some BF16 roundings, and in coat mode those flip a few FP8 codes.
-  bf16 = precision == 'bf16'
-  print(f'{precision}: loss {loss_scan} vs {loss_loop},'
+  bf16 = recipe == 'bf16'
+  print(f'{recipe}: loss {loss_scan} vs {loss_loop},'
         f' cos {_cos(g_loop, g_scan):.5f}')
   np.testing.assert_allclose(loss_loop, loss_scan, rtol=1e-4 if bf16 else 1e-3)
   assert _cos(g_loop, g_scan) > (0.9999 if bf16 else 0.995)
@@ -142,7 +143,7 @@ def test_unrolled_layers_equal_scanned(precision):
 def _slot_run(cfg, slots, tokens, targets):
   """(loss, gradients, jaxpr of the step) of a 'coat' Llama with the
   layers' gradient amax slots on or off (`DecoderLayer.grad_amax_slots`)."""
-  model = cm.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+  model = cm.Llama(cfg, recipe='coat', rngs=nnx.Rngs(0))
   # The default in 'coat' with 'tensor' scaling where the kernels run.
   assert model.layers.grad_amax_slots == (not cnn.residuals.xla_quantizes())
   model.layers.grad_amax_slots = slots
@@ -203,24 +204,25 @@ def test_grad_amax_slots_replace_the_residual_gradients_amax_passes(
 
 def test_layer_with_a_slot_returns_the_next_one():
   cfg = cm.LlamaConfig.preset('tiny')
-  layer = DecoderLayer(cfg, precision='coat', dtype=jnp.bfloat16,
+  layer = DecoderLayer(cfg, recipe=recipes.COAT, dtype=jnp.bfloat16,
                        param_dtype=jnp.float32, implementation=None,
                        rngs=nnx.Rngs(0))
   layer.grad_amax_slots = True  # as on one Hopper GPU
   x = jax.random.normal(jax.random.key(0), (2, 16, cfg.hidden_size),
                         jnp.bfloat16)
-  cos, sin = rope_tables(16, cfg.head_dim, cfg.rope_theta)
-  y = layer(x, cos, sin)
-  y2, slot = layer(x, cos, sin, grad_amax_slot=jnp.zeros((), jnp.float32))
+  cos, sin = rope_tables(16, cfg.head_features, cfg.rope_theta)
+  y = layer(x, (cos, sin))
+  y2, slot = layer(x, (cos, sin), grad_amax_slot=jnp.zeros((), jnp.float32))
   np.testing.assert_array_equal(np.asarray(y, np.float32),
                                 np.asarray(y2, np.float32))
   assert slot.shape == () and slot.dtype == jnp.float32
-  bf16 = DecoderLayer(cfg, precision='bf16', dtype=jnp.bfloat16,
+  bf16 = DecoderLayer(cfg, recipe=recipes.BF16, dtype=jnp.bfloat16,
                       param_dtype=jnp.float32, implementation=None,
                       rngs=nnx.Rngs(0))
   assert not bf16.grad_amax_slots
-  with pytest.raises(ValueError, match='grad_amax_slot needs precision'):
-    bf16(x, cos, sin, grad_amax_slot=jnp.zeros((), jnp.float32))
+  with pytest.raises(ValueError,
+                     match='grad_amax_slot needs a recipe with fp8_activ'):
+    bf16(x, (cos, sin), grad_amax_slot=jnp.zeros((), jnp.float32))
 
 
 def _num_scan_consts(eqn):
@@ -255,15 +257,15 @@ def _hoisted_scan_constants(jaxpr, length):
   return found
 
 
-@pytest.mark.parametrize('precision', MODES)
-def test_scanned_layers_carry_no_activation_sized_constants(precision):
+@pytest.mark.parametrize('recipe', MODES)
+def test_scanned_layers_carry_no_activation_sized_constants(recipe):
   """A constant broadcast in the layer body (jnp.where(x > m, m, x)) is
   hoisted out of the scan by autodiff and carried as a full array: on the 1b
   model such copies of +-448 took 2 GiB and ~20 ms per step."""
   cfg = cm.LlamaConfig.preset('tiny', num_layers=3,  # the scan of 3 steps
                               scan_layers=True)
   batch, seq = 2, 64
-  model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
+  model = cm.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
   tokens = jnp.zeros((batch, seq), jnp.int32)
   loss_fn = lambda s: cm.lm_loss(nnx.merge(graph, s), tokens, tokens)
@@ -287,13 +289,13 @@ def _scan_outputs(jaxpr, length):
   return found
 
 
-@pytest.mark.parametrize('precision', MODES)
-def test_scanned_layers_stack_bfloat16_gradients(precision):
+@pytest.mark.parametrize('recipe', MODES)
+def test_scanned_layers_stack_bfloat16_gradients(recipe):
   """The backward scan stacks the layer params' gradients in bf16, half the
   float32 stack, and casts them to float32 after the loop ('bf16' mode's
   are bf16-valued; the FP8 modes' wgrads are rounded to bf16)."""
   cfg = cm.LlamaConfig.preset('tiny', num_layers=3, scan_layers=True)
-  model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
+  model = cm.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
   tokens = jnp.zeros((2, 64), jnp.int32)
   loss_fn = lambda s: cm.lm_loss(nnx.merge(graph, s), tokens, tokens)
@@ -308,16 +310,16 @@ def test_scanned_layers_stack_bfloat16_gradients(precision):
   assert all(a.dtype == jnp.float32 for a in closed.out_avals)
 
 
-@pytest.mark.parametrize('precision', MODES)
-def test_scanned_fp8_layers_read_their_weights_row_major(precision):
+@pytest.mark.parametrize('recipe', MODES)
+def test_scanned_fp8_layers_read_their_weights_row_major(recipe):
   """On one device the scan body asks for each float32 weight row-major
-  (`llama._row_major_weights`: XLA:GPU laid the stacked weights out
+  (`decoder._row_major_weights`: XLA:GPU laid the stacked weights out
   transposed for the FP8 weight quantizer, a copy of each before the loop;
   tests/models/fp8_memory_test.py compiles it on the GPU); not in 'bf16'
   mode, which quantizes no weight, nor over several devices, where the
   partitioner would gather each constrained weight whole."""
   cfg = cm.LlamaConfig.preset('tiny', num_layers=3, scan_layers=True)
-  model = cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0))
+  model = cm.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
   tokens = jnp.zeros((2, 64), jnp.int32)
   step = jax.jit(jax.grad(
@@ -333,7 +335,7 @@ def test_scanned_fp8_layers_read_their_weights_row_major(precision):
   assert len(kernels) == 4  # q and o, k and v, gate and up, down
   # Every weight (in forward and where backward recomputes), nothing else.
   got = constrained()
-  assert set(got) == (set() if precision == 'bf16' else kernels), got
+  assert set(got) == (set() if recipe == 'bf16' else kernels), got
   if len(jax.devices()) > 1:  # CPU tests: 8 devices
     with jax.set_mesh(jax.make_mesh((len(jax.devices()),), ('fsdp',))):
       assert constrained() == []
@@ -341,7 +343,7 @@ def test_scanned_fp8_layers_read_their_weights_row_major(precision):
 
 def test_param_dtypes_and_logical_axes():
   cfg = cm.LlamaConfig.preset('tiny')
-  model = cm.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+  model = cm.Llama(cfg, recipe='coat', rngs=nnx.Rngs(0))
   state = nnx.state(model, nnx.Param)
   assert {str(x.dtype) for x in jax.tree.leaves(state)} == {'float32'}
   specs = nnx.get_partition_spec(state)
@@ -363,7 +365,7 @@ def test_param_dtypes_and_logical_axes():
 
 def test_bad_input_errors():
   cfg = cm.LlamaConfig.preset('tiny', max_seq_len=32)
-  model = cm.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+  model = cm.Llama(cfg, recipe='coat', rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match='tokens has dtype float32'):
     model(jnp.zeros((1, 8), jnp.float32))
   with pytest.raises(ValueError, match='longer than the RoPE table'):
@@ -378,22 +380,40 @@ def test_bad_input_errors():
   bad = cm.LlamaConfig.preset('tiny', hidden_size=72, num_heads=4,
                               num_kv_heads=4)
   with pytest.raises(ValueError, match='config.hidden_size=72 must be a'):
-    cm.Llama(bad, precision='coat', rngs=nnx.Rngs(0))
-  cm.Llama(bad, precision='bf16', rngs=nnx.Rngs(0))  # any size in bf16
-  with pytest.raises(ValueError, match="precision='fp16'"):
+    cm.Llama(bad, recipe='coat', rngs=nnx.Rngs(0))
+  cm.Llama(bad, recipe='bf16', rngs=nnx.Rngs(0))  # any size in bf16
+  with pytest.raises(ValueError, match="recipe='fp16' is not a recipe"):
+    cm.Llama(cfg, recipe='fp16', rngs=nnx.Rngs(0))
+
+
+def test_precision_is_the_older_name_of_recipe():
+  """precision= takes a preset name and builds the model recipe= does."""
+  cfg = cm.LlamaConfig.preset('tiny')
+  for name, recipe in recipes.PRESETS.items():
+    model = cm.Llama(cfg, precision=name, rngs=nnx.Rngs(0))
+    assert model.recipe == recipe
+  old = cm.Llama(cfg, precision='fp8_linear', rngs=nnx.Rngs(0))
+  new = cm.Llama(cfg, recipe=recipes.FP8_LINEAR, rngs=nnx.Rngs(0))
+  tokens = _tokens(cfg, 2, 16, jax.random.key(7))
+  np.testing.assert_array_equal(np.asarray(old(tokens)),
+                                np.asarray(new(tokens)))
+  assert cm.Llama(cfg, rngs=nnx.Rngs(0)).recipe == recipes.COAT  # default
+  with pytest.raises(ValueError, match="precision='fp16' is not a recipe"):
     cm.Llama(cfg, precision='fp16', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='are both given'):
+    cm.Llama(cfg, recipe='coat', precision='coat', rngs=nnx.Rngs(0))
 
 
-def _layer_activation_bytes(cfg, precision, batch, seq):
+def _layer_activation_bytes(cfg, recipe, batch, seq):
   """Per-layer saved activation residuals (jax.vjp leaves whose size grows
   with the batch), split into attention's own (head layout, ndim >= 4) and
   the rest."""
-  layer = DecoderLayer(cfg, precision=precision, dtype=jnp.bfloat16,
-                       param_dtype=jnp.float32, implementation=None,
-                       rngs=nnx.Rngs(0))
+  layer = DecoderLayer(cfg, recipe=recipes.get(recipe),
+                       dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                       implementation=None, rngs=nnx.Rngs(0))
   graph, state = nnx.split(layer)
-  cos, sin = rope_tables(seq, cfg.head_dim, cfg.rope_theta)
-  fn = lambda s, x: nnx.merge(graph, s)(x, cos, sin)
+  cos, sin = rope_tables(seq, cfg.head_features, cfg.rope_theta)
+  fn = lambda s, x: nnx.merge(graph, s)(x, (cos, sin))
   x = lambda b: jax.ShapeDtypeStruct((b, seq, cfg.hidden_size), jnp.bfloat16)
   res = cnn.activation_residuals(fn, (state, x(batch)), (state, x(2 * batch)))
   return [r for r in res if r.ndim <= 3], [r for r in res if r.ndim > 3]
@@ -405,21 +425,22 @@ def test_coat_layer_saves_fp8_and_less_than_other_modes():
   tokens_x_hidden = batch * seq * cfg.hidden_size
   unit = 2 * tokens_x_hidden  # COAT's U: tokens x hidden x 2 bytes
   # What flash attention (cuDNN on GPU) keeps: q, k, v, o in bf16.
-  flash = 2 * batch * seq * cfg.head_dim * (2 * cfg.num_heads
-                                            + 2 * cfg.num_kv_heads)
+  flash = 2 * batch * seq * cfg.head_features * (2 * cfg.num_heads
+                                                 + 2 * cfg.num_kv_heads)
   saved = {}
-  for precision in MODES:
-    rest, attn = _layer_activation_bytes(cfg, precision, batch, seq)
-    if precision == 'coat':
+  for recipe in MODES:
+    rest, attn = _layer_activation_bytes(cfg, recipe, batch, seq)
+    if recipe == 'coat':
       wide = [r for r in rest if r.size >= tokens_x_hidden
               and r.dtype in (jnp.bfloat16, jnp.float32)]
       assert not wide, f'coat saves high-precision activations: {wide}'
       assert {str(r.dtype) for r in rest} <= {
           'float8_e4m3fn', 'float8_e8m0fnu', 'bfloat16', 'float32'}
-    saved[precision] = cnn.nbytes(rest) + flash
-    print(f'{precision:>10}: {saved[precision] / unit:6.3f} U per layer'
-          f' ({cnn.nbytes(rest) / unit:6.3f} U outside attention; CPU XLA'
-          f' attention itself keeps {cnn.nbytes(attn) / unit:.2f} U)')
+    saved[recipe] = residuals.nbytes(rest) + flash
+    print(f'{recipe:>10}: {saved[recipe] / unit:6.3f} U per layer'
+          f' ({residuals.nbytes(rest) / unit:6.3f} U outside attention;'
+          f' CPU XLA attention itself keeps'
+          f' {residuals.nbytes(attn) / unit:.2f} U)')
   vs_bf16 = saved['coat'] / saved['bf16']
   vs_fp8 = saved['coat'] / saved['fp8_linear']
   print(f'coat / bf16 = {vs_bf16:.3f}, coat / fp8_linear = {vs_fp8:.3f},'
@@ -445,14 +466,15 @@ def test_tiny_gradients_match_bf16():
   tokens = _tokens(cfg, 2, 64)
   targets = jnp.roll(tokens, -1, axis=1)
   _, g_bf16 = _grads(cfg, 'bf16', tokens, targets)
-  for precision in ('fp8_linear', 'coat'):
-    _, g = _grads(cfg, precision, tokens, targets)
+  for recipe in ('fp8_linear', 'coat'):
+    _, g = _grads(cfg, recipe, tokens, targets)
     cos = _cos(g, g_bf16)
-    print(f'tiny: cos(grad {precision}, grad bf16) = {cos:.5f}')
+    print(f'tiny: cos(grad {recipe}, grad bf16) = {cos:.5f}')
     assert cos >= 0.99
   # Q/K/V with a scale each (COAT's paper) instead of one fused projection:
   # other numbers, as close.
-  _, g_sep = _grads(cfg, 'coat', tokens, targets, fuse_qkv=False)
+  _, g_sep = _grads(cfg, dataclasses.replace(recipes.COAT, fuse_qkv=False),
+                    tokens, targets)
   assert not np.array_equal(g_sep, g)
   assert _cos(g_sep, g_bf16) >= 0.99
 
@@ -467,14 +489,14 @@ def test_block_scaling_fuses_qkv_with_the_same_forward_scanned_or_not():
   tokens = _tokens(cfg, 2, 64)
   targets = jnp.roll(tokens, -1, axis=1)
   _, g_bf16 = _grads(cfg, 'bf16', tokens, targets)
-  loss, g = _grads(cfg, 'coat', tokens, targets, scaling='block')
-  loss_apart, g_apart = _grads(cfg, 'coat', tokens, targets,
-                               scaling='block', fuse_qkv=False)
+  loss, g = _grads(cfg, 'coat_block', tokens, targets)
+  loss_apart, g_apart = _grads(
+      cfg, dataclasses.replace(recipes.COAT_BLOCK, fuse_qkv=False), tokens,
+      targets)
   assert loss == loss_apart
   assert not np.array_equal(g, g_apart) and _cos(g, g_apart) > 0.999
   scanned = dataclasses.replace(cfg, scan_layers=True)
-  loss_scan, g_scan = _grads(scanned, 'coat', tokens, targets,
-                             scaling='block')
+  loss_scan, g_scan = _grads(scanned, 'coat_block', tokens, targets)
   assert abs(loss_scan - loss) < 1e-4 and _cos(g_scan, g) > 0.9999
   for grads in (g, g_apart, g_scan):
     assert np.isfinite(grads).all() and _cos(grads, g_bf16) >= 0.99
@@ -495,7 +517,7 @@ def test_125m_gradients_match_bf16():
   for name, (cos_q, cos_w) in cos.items():
     print(f'125m: cos(grad {name}, grad bf16 at E4M3 weights) = {cos_q:.5f},'
           f' cos(grad {name}, grad bf16) = {cos_w:.5f}')
-  # The FP8 GEMMs use E4M3 weights (DESIGN section 3): the FP8 model is the
+  # The FP8 GEMMs use E4M3 weights (docs/design.md): the FP8 model is the
   # bf16 model at weights moved by ~2.6% RMS, which alone turns this random
   # init's gradient to cos 0.989-0.994 (one fixed perturbation: more tokens
   # do not raise it). Against plain bf16 both FP8 modes measure 0.985
@@ -520,7 +542,7 @@ def test_125m_block_scaling_gradients_match_bf16():
   data = load_dataset(DataConfig(seq_len=128), cfg.vocab_size)
   tokens, targets = (jnp.asarray(a) for a in data.batch('train', 0, 0, 2, 128))
   _, g_bf16 = _grads(cfg, 'bf16', tokens, targets)
-  _, g_block = _grads(cfg, 'coat', tokens, targets, scaling='block')
+  _, g_block = _grads(cfg, 'coat_block', tokens, targets)
   cos = _cos(g_block, g_bf16)
   print(f'125m (2 layers): cos(grad coat block, grad bf16) = {cos:.5f}')
   assert cos >= 0.99
@@ -534,15 +556,15 @@ def test_train_step_memory_analysis():
                               scan_layers=True)
   tokens = jax.ShapeDtypeStruct((4, 512), jnp.int32)
   stats = {}
-  for precision in MODES:
+  for recipe in MODES:
     model = nnx.eval_shape(
-        lambda: cm.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)))
+        lambda: cm.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
     graph, state = nnx.split(model)
     step = jax.jit(jax.value_and_grad(
         lambda s, t, y: cm.lm_loss(nnx.merge(graph, s), t, y)))
     mem = step.lower(state, tokens, tokens).compile().memory_analysis()
-    stats[precision] = mem.temp_size_in_bytes
-    print(f'{precision:>10}: temp {mem.temp_size_in_bytes / 2**20:8.1f} MiB,'
+    stats[recipe] = mem.temp_size_in_bytes
+    print(f'{recipe:>10}: temp {mem.temp_size_in_bytes / 2**20:8.1f} MiB,'
           f' args {mem.argument_size_in_bytes / 2**20:7.1f} MiB,'
           f' out {mem.output_size_in_bytes / 2**20:7.1f} MiB')
   # With the layers under the layer scan, what backward keeps is the stacked

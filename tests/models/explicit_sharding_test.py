@@ -59,22 +59,22 @@ def _explicit_mesh(shape):
     ((2, 1, 4), 24),  # 128 tokens padded to 6 chunks of 24
 ])
 @pytest.mark.parametrize('scan_layers', [True, False])
-@pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
+@pytest.mark.parametrize('recipe', ['bf16', 'fp8_linear', 'coat'])
 def test_lm_loss_grads_under_explicit_axes_match_one_device(
-    precision, scan_layers, mesh_shape, chunk_size):
+    recipe, scan_layers, mesh_shape, chunk_size):
   if chunk_size != 1024 and not scan_layers:
     pytest.skip('chunking is independent of the layers')
   cfg = coat_jax.models.LlamaConfig.preset('tiny', scan_layers=scan_layers)
   tokens = jax.random.randint(jax.random.key(0), (4, 33), 0, cfg.vocab_size)
   ref_loss, ref_grads = _value_and_grad(
-      coat_jax.models.Llama(cfg, precision=precision, rngs=nnx.Rngs(0)),
+      coat_jax.models.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0)),
       tokens, chunk_size)
 
   mesh = _explicit_mesh(mesh_shape)
   with (jax.set_mesh(mesh),
         nnx.logical_axis_rules(coat_jax.nn.LOGICAL_AXIS_RULES),
         nnx.use_eager_sharding(True)):
-    model = coat_jax.models.Llama(cfg, precision=precision,
+    model = coat_jax.models.Llama(cfg, recipe=recipe,
                                   rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     kernel = params['layers']['mlp']['gate_proj']['kernel']  # (L, 64, 176)

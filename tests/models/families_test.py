@@ -205,7 +205,7 @@ def test_unsupported_model_type_names_it(tmp_path, change, match):
                                       'full_attention', 'sliding_attention']),
      'layer_types'),
     ('llama', dict(rope_scaling=dict(rope_type='yarn', factor=2.0)),
-     'rope_type'),
+     'rope_scaling.rope_type'),
 ])
 def test_unsupported_options_name_the_field(model_type, change, field):
   hf = {**_BASE, 'num_hidden_layers': 4, 'model_type': model_type, **change}

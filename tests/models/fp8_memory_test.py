@@ -15,36 +15,38 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import step_buffers
-from benchmarks import step_memory
+from coat_jax import recipes
 import coat_jax.models as cm
-from coat_jax.models import llama
+from coat_jax.models import decoder
 from coat_jax.models import remat
-from coat_jax.models.llama import DecoderLayer
-from coat_jax.models.llama import rope_tables
+from coat_jax.models.decoder import DecoderLayer
+from coat_jax.models.decoder import rope_tables
 import coat_jax.nn as cnn
+from coat_jax.nn import residuals
+from tests import compiled_step
 
 DIMS = dict(hidden_size=256, intermediate_size=704, num_heads=4,
             num_kv_heads=2)
 BATCH, SEQ = 8, 128
 
 
-def _step_temp(cfg, precision):
-  return step_memory.temp_bytes(cfg, precision, BATCH, SEQ,
-                                step_memory.gpu_like_options())
+def _step_temp(cfg, recipe):
+  return compiled_step.temp_bytes(cfg, recipe, BATCH, SEQ,
+                                  compiled_step.gpu_like_options())
 
 
-def _layer_residual_bytes(cfg, precision, policy):
+def _layer_residual_bytes(cfg, recipe, policy):
   """Bytes of one decoder layer's activation residuals (jax.vjp's)."""
   layer = nnx.eval_shape(lambda: DecoderLayer(
-      cfg, precision=precision, dtype=jnp.bfloat16, param_dtype=jnp.float32,
-      implementation=None, rngs=nnx.Rngs(0)))
+      cfg, recipe=recipes.get(recipe), dtype=jnp.bfloat16,
+      param_dtype=jnp.float32, implementation=None, rngs=nnx.Rngs(0)))
   graph, state = nnx.split(layer)
-  cos, sin = rope_tables(SEQ, cfg.head_dim, cfg.rope_theta)
-  body = remat.apply(lambda lay, x: lay(x, cos, sin), policy, in_scan=False)
+  cos, sin = rope_tables(SEQ, cfg.head_features, cfg.rope_theta)
+  body = remat.apply(lambda lay, x: lay(x, (cos, sin)), policy,
+                     in_scan=False)
   fn = lambda s, x: body(nnx.merge(graph, s), x)
   x = lambda b: jax.ShapeDtypeStruct((b, SEQ, cfg.hidden_size), jnp.bfloat16)
-  return cnn.nbytes(cnn.activation_residuals(
+  return residuals.nbytes(cnn.activation_residuals(
       fn, (state, x(BATCH)), (state, x(2 * BATCH))))
 
 
@@ -62,15 +64,15 @@ def test_unrolled_coat_step_keeps_its_residuals_per_layer():
   cfg = lambda n: cm.LlamaConfig.preset(
       'tiny', num_layers=n, scan_layers=False, remat='none', **DIMS)
   per_layer = (_step_temp(cfg(4), 'coat') - _step_temp(cfg(2), 'coat')) / 2
-  residuals = _layer_residual_bytes(cfg(1), 'coat', 'none')
+  saved = _layer_residual_bytes(cfg(1), 'coat', 'none')
   print(f'coat: {per_layer / 2**20:.2f} MiB per layer, residuals'
-        f' {residuals / 2**20:.2f} MiB')
+        f' {saved / 2**20:.2f} MiB')
   bound = 1.3 if jax.default_backend() == 'cpu' else 1.5
-  assert 0 < per_layer <= bound * residuals
+  assert 0 < per_layer <= bound * saved
 
 
 def _grads(cfg, tokens):
-  model = cm.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+  model = cm.Llama(cfg, recipe='coat', rngs=nnx.Rngs(0))
   graph, state = nnx.split(model)
   loss_fn = lambda s: cm.lm_loss(nnx.merge(graph, s), tokens,
                                  jnp.roll(tokens, -1, axis=1))
@@ -88,16 +90,16 @@ def test_out_projection_reuses_flash_attention_output(monkeypatch):
       'tiny', num_layers=layers, scan_layers=False, remat='none',
       hidden_size=1024, intermediate_size=2816, num_heads=8, num_kv_heads=2,
       max_seq_len=seq)
-  q = jnp.zeros((batch, seq, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
-  k = jnp.zeros((batch, seq, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
-  assert llama._causal_attention(q, k, k)[1]  # cuDNN takes these shapes
-  temp = lambda: step_memory.temp_bytes(cfg, 'coat', batch, seq)
+  q = jnp.zeros((batch, seq, cfg.num_heads, cfg.head_features), jnp.bfloat16)
+  k = jnp.zeros((batch, seq, cfg.num_kv_heads, cfg.head_features), jnp.bfloat16)
+  assert decoder._causal_attention(q, k, k)[1]  # cuDNN takes these shapes
+  temp = lambda: compiled_step.temp_bytes(cfg, 'coat', batch, seq)
   tokens = jax.random.randint(jax.random.key(np.random.randint(1 << 30)),
                               (batch, seq), 0, 256)
   reused, grads = temp(), _grads(cfg, tokens)
-  attend = llama._causal_attention
-  monkeypatch.setattr(llama, '_causal_attention',
-                      lambda q, k, v: (attend(q, k, v)[0], False))
+  attend = decoder._causal_attention
+  monkeypatch.setattr(decoder, '_causal_attention',
+                      lambda q, k, v, **kw: (attend(q, k, v, **kw)[0], False))
   copied, grads_copied = temp(), _grads(cfg, tokens)
   o_fp8 = batch * seq * cfg.hidden_size  # one layer's E4M3 o^T
   print(f'step temp: {reused / 2**20:.1f} MiB reusing o, {copied / 2**20:.1f}'
@@ -116,24 +118,12 @@ def test_out_projection_reuses_flash_attention_output(monkeypatch):
       np.testing.assert_array_equal(a, b)
 
 
-def _pallas_kernels_quantize(monkeypatch):
-  """Makes the layers pick their (interpreted) Pallas kernels, as on one
-  Hopper GPU."""
-  from pallas_kernels import _common  # pylint: disable=g-import-not-at-top
-  resolve = _common.resolve_implementation
-  monkeypatch.setattr(
-      _common, 'resolve_implementation',
-      lambda impl, default=True: resolve(impl, default) if impl == 'xla'
-      else ('pallas', True))
-
-
-def test_forward_barrier_only_where_xla_quantizes(monkeypatch):
+def test_forward_barrier_only_where_xla_quantizes(pick_pallas):
   """Where XLA quantizes (here: CPU; under FSDP on GPUs), each FP8 forward
   rule returns its outputs and FP8 residuals through one optimization
   barrier (`residuals.with_residuals`: FSDP, 1b, 2 GPUs compiled, 9.97 ->
   7.54 GiB per device); where the Pallas kernels quantize (one Hopper GPU)
   it does not (there it cost 1.6% of the step)."""
-  from coat_jax.nn import residuals  # pylint: disable=g-import-not-at-top
   x = jnp.ones((32, 64), jnp.bfloat16)
   w = jnp.ones((64, 48), jnp.float32)
   mlp = cnn.CoatMLP(64, 96, rngs=nnx.Rngs(0))
@@ -148,12 +138,13 @@ def test_forward_barrier_only_where_xla_quantizes(monkeypatch):
   assert residuals.xla_quantizes()
   # fp8_dense; gate/up + SwiGLU + down; the norm.
   assert barriers() == (1, 3, 1)
-  _pallas_kernels_quantize(monkeypatch)
+  pick_pallas()  # the layers' Pallas kernels, as on one Hopper GPU
   assert not residuals.xla_quantizes()
   assert barriers() == (0, 0, 0)
 
 
-def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch):
+def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch,
+                                                        pick_pallas):
   """Where XLA quantizes, the norm's backward returns its gradients through
   one more barrier (`residuals.reduced_now`), so that the gain's sum over
   the tokens is taken where its terms are computed (Llama-2-7B, FSDP on 4
@@ -162,7 +153,6 @@ def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch):
   where the Pallas kernel sums in its own pass. The gradients are the
   same."""
   from coat_jax.nn import norm as norm_lib  # pylint: disable=g-import-not-at-top
-  from coat_jax.nn import residuals  # pylint: disable=g-import-not-at-top
   graph, state = nnx.split(cnn.CoatRMSNorm(64, rngs=nnx.Rngs(0)))
   x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
                         (32, 64), jnp.bfloat16)
@@ -188,26 +178,24 @@ def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch):
     assert np.isfinite(b).all() and np.abs(b).max() > 0
     np.testing.assert_array_equal(a, b)
   monkeypatch.undo()
-  _pallas_kernels_quantize(monkeypatch)
+  pick_pallas()
   assert not residuals.xla_quantizes()
   assert barriers() == 1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('precision,scaling', [
-    ('fp8_linear', 'tensor'), ('coat', 'tensor'), ('coat', 'block')])
+@pytest.mark.parametrize('recipe', ['fp8_linear', 'coat', 'coat_block'])
 @pytest.mark.parametrize('policy', ['minimal', 'full'])
-def test_scanned_layers_keep_float32_weights_in_their_layout(
-    precision, scaling, policy):
+def test_scanned_layers_keep_float32_weights_in_their_layout(recipe, policy):
   """Under a layer scan XLA:GPU laid the stacked float32 weights out
   transposed for the FP8 quantizer: a copy of every weight before the loop
   (Llama-2-7B, remat full, batch 16, compiled for an H200: 56.6 -> 37.9 GiB
   of temp without it). The layers ask for them row-major
-  (`coat_jax.models.llama._row_major_weights`). XLA:CPU never made the copy."""
+  (`coat_jax.models.decoder._row_major_weights`). XLA:CPU never made the
+  copy."""
   layers = 3  # no other size of the model
   cfg = cm.LlamaConfig.preset('tiny', scan_layers=True, num_layers=layers,
                               remat=policy, **DIMS)
-  hlo = step_memory.compile_loss_step(cfg, precision, BATCH, SEQ,
-                                      scaling=scaling).as_text()
-  copies = step_buffers.transposed_weight_stacks(hlo, layers)
+  hlo = compiled_step.compile_loss_step(cfg, recipe, BATCH, SEQ).as_text()
+  copies = compiled_step.transposed_weight_stacks(hlo, layers)
   assert not copies, copies[:4]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import coat_jax.models as cm
+from coat_jax.models import decoder
 from coat_jax.models import hf
 from coat_jax.training import config as config_lib
 from coat_jax.training import trainer
@@ -142,7 +143,7 @@ def test_save_then_load_untied_float32_is_exact(tmp_path):
   config = cm.LlamaConfig.preset('tiny', num_kv_heads=4,
                                  rope_scaling=cm.RopeScaling(
                                      original_max_position_embeddings=64))
-  model = cm.Llama(config, precision='bf16',
+  model = cm.Llama(config, recipe='bf16',
                    rngs=nnx.Rngs(np.random.randint(1 << 30)))
   cm.save_hf(model, tmp_path, max_shard_size=20_000)
   cm.save_hf(model, tmp_path)  # over the sharded one: no stale shards left
@@ -155,7 +156,7 @@ def test_save_then_load_untied_float32_is_exact(tmp_path):
 
 
 def test_loads_onto_the_fsdp_sharding_of_train_py(tmp_path):
-  model = cm.Llama(cm.LlamaConfig.preset('tiny'), precision='coat',
+  model = cm.Llama(cm.LlamaConfig.preset('tiny'), recipe='coat',
                    rngs=nnx.Rngs(np.random.randint(1 << 30)))
   cm.save_hf(model, tmp_path, dtype='bfloat16', max_shard_size=30_000)
   config = config_lib.Config()
@@ -196,7 +197,7 @@ def test_loads_onto_the_fsdp_sharding_of_train_py(tmp_path):
 
 def _write(tmp_path, **changes):
   """A tiny checkpoint written by save_hf, its config.json edited."""
-  model = cm.Llama(cm.LlamaConfig.preset('tiny'), precision='bf16',
+  model = cm.Llama(cm.LlamaConfig.preset('tiny'), recipe='bf16',
                    rngs=nnx.Rngs(0))
   cm.save_hf(model, tmp_path, max_shard_size=30_000)
   file = os.path.join(tmp_path, 'config.json')
@@ -209,15 +210,17 @@ def _write(tmp_path, **changes):
 
 
 @pytest.mark.parametrize('changes, error', [
-    (dict(model_type='mistral'), "model_type='mistral' is not supported"),
+    (dict(model_type='gpt2'), "model_type='gpt2' is not supported"),
     (dict(rope_scaling=dict(rope_type='yarn', factor=4.0)),
-     "rope_scaling.rope_type='yarn' is not supported"),
-    (dict(rope_parameters=dict(rope_type='linear', factor=2.0)),
-     "rope_parameters.rope_type='linear'"),
-    (dict(attention_bias=True), 'attention_bias=true'),
-    (dict(mlp_bias=True), 'mlp_bias=true'),
-    (dict(hidden_act='gelu'), "hidden_act='gelu'"),
-    (dict(head_dim=32), 'head_dim=32'),
+     "rope_type='yarn' is not supported"),
+    (dict(rope_parameters=dict(rope_type='dynamic', factor=2.0)),
+     "rope_type='dynamic' is not supported"),
+    (dict(attention_bias=True), 'attention_bias=True is not supported'),
+    (dict(mlp_bias=True), 'mlp_bias=True is not supported'),
+    (dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
+    (dict(head_dim=32),
+     r"'model.layers.0.self_attn.k_proj.weight' has shape \(32, 64\);"
+     r' config.json implies \(64, 64\)'),
     (dict(intermediate_size=192),
      r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 176\);"
      r' config.json implies \(64, 192\)'),
@@ -254,7 +257,7 @@ def test_override_that_changes_the_weights_is_refused(tmp_path):
 
 
 def test_save_hf_bad_arguments(tmp_path):
-  model = cm.Llama(cm.LlamaConfig.preset('tiny'), precision='bf16',
+  model = cm.Llama(cm.LlamaConfig.preset('tiny'), recipe='bf16',
                    rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="dtype='float16' must be"):
     cm.save_hf(model, tmp_path, dtype='float16')
@@ -265,10 +268,13 @@ def test_save_hf_bad_arguments(tmp_path):
 def test_rope_scaling_arguments_are_checked():
   with pytest.raises(ValueError, match='high_freq_factor=1.0 must be'):
     cm.RopeScaling(low_freq_factor=1.0, high_freq_factor=1.0)
-  with pytest.raises(ValueError, match='factor and'):
+  with pytest.raises(ValueError, match='factor must be positive'):
     cm.RopeScaling(factor=0.0)
-  cos, sin = cm.llama.rope_tables(8, 16, 500000.0)
-  cos3, sin3 = cm.llama.rope_tables(
+  with pytest.raises(ValueError,
+                     match='original_max_position_embeddings must be'):
+    cm.RopeScaling(original_max_position_embeddings=0)
+  cos, sin = decoder.rope_tables(8, 16, 500000.0)
+  cos3, sin3 = decoder.rope_tables(
       8, 16, 500000.0, cm.RopeScaling(original_max_position_embeddings=64))
   # High frequencies are kept, the lowest are divided by the factor.
   np.testing.assert_array_equal(cos3[:, 0], cos[:, 0])
@@ -276,17 +282,17 @@ def test_rope_scaling_arguments_are_checked():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('precision', ['bf16', 'coat'])
-def test_gpu_logits_follow_transformers(hf_dirs, precision):
+@pytest.mark.parametrize('recipe', ['bf16', 'coat'])
+def test_gpu_logits_follow_transformers(hf_dirs, recipe):
   """On a Hopper GPU (cuDNN attention, FP8 GEMMs), against CPU torch."""
   for name in ('llama2', 'llama3'):
     path, reference = hf_dirs[name]
     tokens = _tokens(4, 64)
     want = _hf_logits(reference, tokens)
-    got = _logits(cm.load_hf(path, precision), tokens)
+    got = _logits(cm.load_hf(path, recipe), tokens)
     assert np.isfinite(got).all()
     cos = (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want)
-    assert cos > (0.9999 if precision == 'bf16' else 0.99), (name, cos)
+    assert cos > (0.9999 if recipe == 'bf16' else 0.99), (name, cos)
 
 
 def test_config_json_variants():
@@ -295,19 +301,20 @@ def test_config_json_variants():
               num_attention_heads=4)
   llama3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=8192)
-  plain = hf.llama_config_from_hf(base)  # transformers' defaults
+  plain = hf.config_from_hf(base)  # transformers' defaults
+  assert type(plain) is cm.LlamaConfig
   assert plain.num_kv_heads == 4 and plain.rope_theta == 10000.0
   assert plain.rope_scaling is None and not plain.tie_embeddings
   for rope in (dict(rope_scaling=None),
                dict(rope_scaling=dict(rope_type='default')),
                dict(rope_parameters=dict(rope_type='default',
                                          rope_theta=5e5))):
-    assert hf.llama_config_from_hf({**base, **rope}).rope_scaling is None
-  v4 = hf.llama_config_from_hf({**base, 'rope_theta': 5e5, 'rope_scaling': {
+    assert hf.config_from_hf({**base, **rope}).rope_scaling is None
+  v4 = hf.config_from_hf({**base, 'rope_theta': 5e5, 'rope_scaling': {
       'type': 'llama3', **llama3}})  # the older 'type' key
-  v5 = hf.llama_config_from_hf({**base, 'rope_parameters': {
+  v5 = hf.config_from_hf({**base, 'rope_parameters': {
       'rope_type': 'llama3', 'rope_theta': 5e5, **llama3}})
   assert v4 == v5 and v4.rope_theta == 5e5
   assert v4.rope_scaling == cm.RopeScaling(**llama3)
-  with pytest.raises(ValueError, match="lacks 'factor'"):
-    hf.llama_config_from_hf({**base, 'rope_scaling': {'rope_type': 'llama3'}})
+  with pytest.raises(ValueError, match="rope_type 'llama3' lack 'factor'"):
+    hf.config_from_hf({**base, 'rope_scaling': {'rope_type': 'llama3'}})

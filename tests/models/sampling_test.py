@@ -10,14 +10,14 @@ from coat_jax.models import sampling
 from coat_jax.training import tokenizer as tokenizer_lib
 
 
-def _model(precision, seed=0):
-  return models.Llama(models.LlamaConfig.preset('tiny'), precision=precision,
+def _model(recipe, seed=0):
+  return models.Llama(models.LlamaConfig.preset('tiny'), recipe=recipe,
                       rngs=nnx.Rngs(seed))
 
 
-@pytest.mark.parametrize('precision', ['bf16', 'coat'])
-def test_greedy_is_the_argmax_of_the_logits_step_by_step(precision):
-  model = _model(precision)
+@pytest.mark.parametrize('recipe', ['bf16', 'coat'])
+def test_greedy_is_the_argmax_of_the_logits_step_by_step(recipe):
+  model = _model(recipe)
   prompt = list(np.random.default_rng(1).integers(0, 256, 5))
   new = sampling.generate(model, prompt, 7)
   assert new == sampling.generate(model, prompt, 7)  # deterministic

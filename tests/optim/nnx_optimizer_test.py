@@ -351,7 +351,7 @@ def test_llama_nnx_jit_trains(scan_layers):
   layers then; unrolled, the default, now) with chain(clip, coat_adamw)
   under nnx.jit."""
   cfg = coat_jax.models.LlamaConfig.preset('tiny', scan_layers=scan_layers)
-  model = coat_jax.models.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+  model = coat_jax.models.Llama(cfg, recipe='coat', rngs=nnx.Rngs(0))
   tx = optax.chain(optax.clip_by_global_norm(1.0), coat_jax.coat_adamw(3e-3))
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, cfg.vocab_size)
@@ -398,7 +398,7 @@ def test_llama_eager_sharded_params_train(axis_type):
   with (jax.set_mesh(mesh),
         nnx.logical_axis_rules(coat_jax.nn.LOGICAL_AXIS_RULES),
         nnx.use_eager_sharding(True)):
-    model = coat_jax.models.Llama(cfg, precision='coat', rngs=nnx.Rngs(0))
+    model = coat_jax.models.Llama(cfg, recipe='coat', rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     w = params['layers']['mlp']['down_proj']['kernel']  # (2, 176, 64)
     assert tuple(w.sharding.spec)[1] == 'tensor'

@@ -206,7 +206,8 @@ def test_bfloat16_input_and_output_dtype():
 # Dynamic range expansion.
 
 def _design_codes(x, fmt='e4m3'):
-  """DESIGN section 1 in float64: k, c, S and the stored code, one group."""
+  """docs/design.md's expansion in float64: k, c, S and the stored code, one
+  group."""
   a = np.abs(x.astype(np.float64))
   big, small = a.max(), a[a > 0].min()
   log2_u = math.log2(quant.expansion_range(fmt))
@@ -228,7 +229,7 @@ def test_expansion_matches_hand_computed(group, k_expected):
   assert k == k_expected
   q = quant.quantize_per_group(x, 4, 'e4m3', expansion=True)
   assert float(q.exponent[0, 0]) == k
-  # The stored max equals DESIGN's c (448 S)^(1/k), i.e. M.
+  # The stored max equals the expansion's c (448 S)^(1/k), i.e. M.
   np.testing.assert_allclose(float(q.scale[0, 0]),
                              c * (448 * s) ** (1 / k), rtol=1e-6)
   got = np.asarray(q.values[0]).astype(np.float32)

@@ -1,11 +1,15 @@
 """Configs: every file loads and validates; bad input gets clear errors."""
 
+import dataclasses
 import glob
+import json
 import os
 
 import pytest
 
+from coat_jax import recipes
 from coat_jax import training
+from coat_jax.models import llama
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
 
@@ -24,20 +28,88 @@ def test_every_config_loads_and_validates(path):
   config = training.load_config(path)
   training.validate(config, num_devices=1)
   training.validate(config, num_devices=8)
-  from coat_jax.training.trainer import llama_config  # noqa: PLC0415
-  llama_config(config.model)
+  config_lib.architecture(config.model)
+  assert isinstance(config_lib.recipe(config.model), recipes.Recipe)
 
 
 def test_overrides_parse_by_type():
   config = training.apply_overrides(training.Config(), [
-      'model.precision=bf16', 'train.batch_size=32', 'optim.learning_rate=1e-4',
+      'model.recipe=bf16', 'train.batch_size=32', 'optim.learning_rate=1e-4',
       'optim.expansion=false', 'optim.moment_dtypes=e4m3,e5m2',
       'model.hidden_size=128', 'data.tokenizer=none'])
-  assert config.model.precision == 'bf16' and config.train.batch_size == 32
+  assert config.model.recipe == recipes.BF16
+  assert config.train.batch_size == 32
   assert config.optim.learning_rate == 1e-4 and not config.optim.expansion
   assert config.optim.moment_dtypes == ('e4m3', 'e5m2')
   assert config.model.hidden_size == 128 and config.data.tokenizer is None
   assert training.Config().train.batch_size == 16  # defaults untouched
+  assert training.Config().model.recipe == recipes.COAT
+
+
+def test_recipe_overrides_set_the_recipe_and_its_fields():
+  config = training.apply_overrides(training.Config(), [
+      'model.recipe=fp8_linear', 'model.recipe.scaling=block',
+      'model.recipe.fuse_qkv=false', 'model.recipe.grad_dtype=e4m3'])
+  assert config.model.recipe == dataclasses.replace(
+      recipes.FP8_LINEAR, scaling='block', fuse_qkv=False, grad_dtype='e4m3')
+  # A field after the preset name: the field of the named preset.
+  config = training.apply_overrides(training.Config(), [
+      'model.recipe.fp8_weight_gather=true'])
+  assert config.model.recipe == dataclasses.replace(
+      recipes.COAT, fp8_weight_gather=True)
+  assert config_lib.recipe(config.model) is config.model.recipe
+  config = training.apply_overrides(training.Config(), [
+      'model.recipe=coat_block'])
+  assert config_lib.recipe(config.model) == recipes.COAT_BLOCK
+
+
+def test_older_recipe_overrides_still_work():
+  """model.precision, model.scaling, model.fuse_qkv and
+  model.fp8_weight_gather: the names of the recipe and its fields before
+  recipes."""
+  config = training.apply_overrides(training.Config(), [
+      'model.precision=fp8_linear', 'model.scaling=block',
+      'model.fuse_qkv=false', 'model.fp8_weight_gather=true'])
+  assert config.model.recipe == dataclasses.replace(
+      recipes.FP8_LINEAR, scaling='block', fuse_qkv=False,
+      fp8_weight_gather=True)
+  with pytest.raises(ValueError, match="model.precision='fp4'"):
+    training.apply_overrides(training.Config(), ['model.precision=fp4'])
+
+
+def test_old_run_config_json_loads():
+  """A run's config.json written before recipes (model.precision and the
+  recipe's fields beside it), and one written now, give their recipes."""
+  old = config_lib.from_dict({'model': {
+      'preset': 'tiny', 'precision': 'bf16', 'scaling': 'block',
+      'fuse_qkv': False, 'fp8_weight_gather': False, 'remat': 'full'}})
+  assert old.model.recipe == dataclasses.replace(
+      recipes.BF16, scaling='block', fuse_qkv=False)
+  assert old.model.remat == 'full' and old.model.preset == 'tiny'
+  assert config_lib.from_dict({'model': {'preset': 'tiny'}}).model.recipe == (
+      recipes.COAT)
+  config = training.apply_overrides(training.Config(), [
+      'model.recipe=coat_block', 'model.recipe.grad_dtype=e4m3',
+      'model.num_layers=3'])
+  again = config_lib.from_dict(json.loads(json.dumps(
+      config_lib.to_dict(config))))
+  assert again == config
+  by_name = config_lib.from_dict({'model': {'recipe': 'fp8_linear'}})
+  assert by_name.model.recipe == recipes.FP8_LINEAR
+  with pytest.raises(ValueError, match="model.recipe='fp4' is not a recipe"):
+    config_lib.from_dict({'model': {'precision': 'fp4'}})
+
+
+def test_architecture_of_a_model_config():
+  """config.architecture: the preset of any family with the model
+  section's overrides; None fields keep the preset's values."""
+  model = training.apply_overrides(training.Config(), [
+      'model.preset=1b', 'model.num_layers=3', 'model.scan_layers=true']).model
+  arch = config_lib.architecture(model)
+  assert arch == llama.LlamaConfig.preset('1b', num_layers=3,
+                                          scan_layers=True)
+  assert config_lib.architecture(training.Config().model) == (
+      llama.LlamaConfig.preset('tiny'))
 
 
 @pytest.mark.parametrize('override,message', [
@@ -46,6 +118,13 @@ def test_overrides_parse_by_type():
     ('train.steps=ten', "expected a value of type int"),
     ('optim.expansion=maybe', 'expected true or false'),
     ('train.steps', 'must look like section.field=value'),
+    ('model.recipe=fp4', "model.recipe='fp4' is not a recipe"),
+    ('model.precision=fp4', "model.precision='fp4' is not a recipe"),
+    ('model.recipe.scaling=row',
+     "model.recipe.scaling='row'.*'tensor', 'block'"),
+    ('model.scaling=row', "model.scaling='row'.*'tensor', 'block'"),
+    ('model.recipe.fuse_qkv=maybe', 'expected true or false'),
+    ('model.recipe.nope=1', "Recipe has no field 'nope'"),
 ])
 def test_bad_overrides(override, message):
   with pytest.raises(ValueError, match=message):
@@ -53,8 +132,6 @@ def test_bad_overrides(override, message):
 
 
 @pytest.mark.parametrize('override,devices,message', [
-    ('model.precision=fp4', 1, 'model.precision'),
-    ('model.scaling=row', 1, "model.scaling='row'.*'tensor', 'block'"),
     ('mesh.fsdp=3', 8, 'do(es)? not divide|devices'),
     ('mesh.data=2', 8, 'mesh data=2 x fsdp=1 x tensor=1 = 2 devices'),
     ('train.batch_size=12', 8, 'divisible by mesh.data x mesh.fsdp = 8'),
@@ -77,6 +154,11 @@ def test_wrong_type_set_in_a_config_file(tmp_path):
                   'def get_config():\n  c = Config()\n'
                   '  c.train.steps = "10"\n  return c\n')
   with pytest.raises(ValueError, match="train.steps='10' has type str"):
+    training.validate(training.load_config(path), 1)
+  path.write_text('from coat_jax.training import Config\n'
+                  'def get_config():\n  c = Config()\n'
+                  '  c.model.recipe = "fp4"\n  return c\n')
+  with pytest.raises(ValueError, match="model.recipe='fp4' is not a recipe"):
     training.validate(training.load_config(path), 1)
   with pytest.raises(FileNotFoundError, match='no such file'):
     training.load_config(tmp_path / 'missing.py')

@@ -1,5 +1,6 @@
 """Shared fixtures for the train.py tests: a small text corpus, tiny configs."""
 
+import dataclasses
 import os
 
 import pytest
@@ -31,7 +32,10 @@ def tiny_config(corpus, tmp_path):
         progress_bar=False, sample_tokens=0)
     config.optim.warmup_steps = 1
     for section, fields in sections.items():
+      target = getattr(config, section)
       for k, v in fields.items():
-        setattr(getattr(config, section), k, v)
+        # A name that is no field would be set and then ignored.
+        assert k in {f.name for f in dataclasses.fields(target)}, (section, k)
+        setattr(target, k, v)
     return config
   return make

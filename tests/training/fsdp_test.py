@@ -3,6 +3,7 @@ are FSDP's, FP8 weight all-gathers change no number, and a checkpoint saved
 on 4 devices trains on with the same losses on 2 and 1."""
 
 import collections
+import dataclasses
 import json
 import os
 
@@ -13,9 +14,11 @@ import numpy as np
 import pytest
 
 from benchmarks import fsdp as fsdp_bench
+from coat_jax import recipes
 from coat_jax import training
 from coat_jax.models import remat
 from coat_jax.nn import fsdp
+from coat_jax.training import config as config_lib
 from coat_jax.training import sharding
 from coat_jax.training import trainer
 
@@ -30,6 +33,11 @@ def _config(tiny_config, n, *, model=None, mesh=None, train=None):
       model={**MODEL, **(model or {})}, optim={'group_size': 16},
       mesh={'data': 1, 'fsdp': n, 'tensor': 1, **(mesh or {})},
       train=train or {})
+
+
+def _gather(on):
+  """The default recipe with fp8_weight_gather on or off."""
+  return dataclasses.replace(recipes.COAT, fp8_weight_gather=on)
 
 
 def _shapes(tree):
@@ -146,7 +154,7 @@ def test_step_collectives_are_fsdp(tiny_config, gather, scan_layers):
     gathers them once more for the recomputed forward; unrolled: per
     layer), float32
     shards (Q/K/V's possibly as one concatenation), or FP8 codes (as uint8)
-    with model.fp8_weight_gather; nothing
+    with the recipe's fp8_weight_gather; nothing
     else is all-gathered but the LM head (BF16, in the loss' chunk loop,
     and float32 outside the loops) and the token ids of the embedding's
     lookup;
@@ -162,7 +170,7 @@ def test_step_collectives_are_fsdp(tiny_config, gather, scan_layers):
   # vocab 512: the embedding's and LM head's shapes differ from every
   # layer weight's (unrolled, all of them are gathered outside any loop).
   config = _config(tiny_config, 8, model={
-      'fp8_weight_gather': gather, 'scan_layers': scan_layers,
+      'recipe': _gather(gather), 'scan_layers': scan_layers,
       'vocab_size': 512})
   setup, colls, final = _partitioned_step(config)
   params = setup.abstract_state['params']
@@ -195,8 +203,8 @@ def test_step_collectives_are_fsdp(tiny_config, gather, scan_layers):
       assert dtype == weight_dtype and c['entry'] != scan_layers, c
       gathered[shape] += 1
   per_layer = 1 if scan_layers else num_layers  # scanned: per loop body
-  policy = remat.resolve(config.model.remat, config.model.precision,
-                         scan_layers)
+  policy = remat.resolve(setup.architecture.remat,
+                         config_lib.recipe(config.model), scan_layers)
   passes = 3 if policy == 'full' else 2
   # Q/K/V are one fused projection: XLA may gather their float32 shards as
   # one concatenation (the same bytes in one collective).
@@ -231,13 +239,13 @@ def test_step_collectives_are_fsdp(tiny_config, gather, scan_layers):
 
 
 def test_fp8_weight_gather_changes_no_number(tiny_config):
-  """Two steps with and without model.fp8_weight_gather on fsdp=8: the same
-  losses and params, bit for bit (the codes are cast from the same scale,
-  before or after the gather)."""
+  """Two steps with and without the recipe's fp8_weight_gather on fsdp=8:
+  the same losses and params, bit for bit (the codes are cast from the same
+  scale, before or after the gather)."""
   runs = []
   tokens = np.random.default_rng(1).integers(0, 256, (8, 33), np.int32)
   for gather in (False, True):
-    config = _config(tiny_config, 8, model={'fp8_weight_gather': gather})
+    config = _config(tiny_config, 8, model={'recipe': _gather(gather)})
     setup = training.build(config, jax.devices())
     with jax.set_mesh(setup.mesh):
       state = setup.init_state()
@@ -391,14 +399,14 @@ def test_gpus_gather_layer_weights_and_reduce_scatter_grads(tiny_config,
                                                             gather):
   """On 2+ GPUs, the compiled step (after every XLA:GPU pass): each layer's
   weights all-gathered as 1-byte FP8 codes, never as float32 (float8: each
-  device casts its shard; uint8 with model.fp8_weight_gather), and the
-  gradients reduce-scattered in bf16 (the FP8 wgrad GEMMs write bf16 where
+  device casts its shard; uint8 with the recipe's fp8_weight_gather), and
+  the gradients reduce-scattered in bf16 (the FP8 wgrad GEMMs write bf16 where
   their result is summed over devices)."""
   n = jax.device_count()
   if n < 2 or 8 % n:
     pytest.skip(f'needs 2, 4 or 8 GPUs; found {n}')
   # vocab 512: the LM head's shape differs from every layer weight's.
-  config = _config(tiny_config, n, model={'fp8_weight_gather': gather,
+  config = _config(tiny_config, n, model={'recipe': _gather(gather),
                                           'vocab_size': 512})
   setup = training.build(config, jax.devices())
   batch = jax.ShapeDtypeStruct((8, 32), jnp.int32)

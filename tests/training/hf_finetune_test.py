@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coat_jax import export
+from coat_jax import recipes
 from coat_jax import training
 import coat_jax.models as cm
-from coat_jax.models import export
+from coat_jax.training import config as config_lib
 from coat_jax.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -25,7 +27,7 @@ def hf_dir(tmp_path_factory) -> str:
   config = cm.LlamaConfig.preset(
       'tiny', tie_embeddings=True, rope_theta=500000.0,
       rope_scaling=cm.RopeScaling(original_max_position_embeddings=16))
-  model = cm.Llama(config, precision='bf16',
+  model = cm.Llama(config, recipe='bf16',
                    rngs=nnx.Rngs(np.random.randint(1 << 30)))
   path = str(tmp_path_factory.mktemp('hf'))
   cm.save_hf(model, path, dtype='bfloat16', max_shard_size=40_000)
@@ -55,7 +57,8 @@ def test_starts_from_the_checkpoint_on_the_fsdp_mesh(tiny_config, hf_dir):
                or pytest.fail(f'{x.sharding} != {s}'),
                state['params'], setup.state_shardings['params'])
   assert state['params']['embed'].sharding.spec[1] == 'fsdp'
-  cfg = trainer.llama_config(config.model)
+  cfg = config_lib.architecture(config.model)
+  assert cfg == setup.architecture and type(cfg) is cm.LlamaConfig
   assert cfg.tie_embeddings and cfg.rope_scaling is not None
   assert cfg.rope_theta == 500000.0 and cfg.num_kv_heads == 2
 
@@ -63,7 +66,7 @@ def test_starts_from_the_checkpoint_on_the_fsdp_mesh(tiny_config, hf_dir):
 def test_finetune_lowers_the_loss_resumes_and_exports(tiny_config, hf_dir,
                                                       tmp_path):
   run = str(tmp_path / 'run')
-  config = tiny_config(model={'init_from': hf_dir, 'precision': 'coat'},
+  config = tiny_config(model={'init_from': hf_dir, 'recipe': 'coat'},
                        train={'steps': 4, 'checkpoint_every': 2,
                               'run_dir': run})
   summary = training.train(config, devices=jax.devices()[:1])
@@ -95,7 +98,7 @@ def test_finetune_lowers_the_loss_resumes_and_exports(tiny_config, hf_dir,
     os.remove(os.path.join(hf_dir, 'tokenizer.json'))
   assert os.path.isfile(os.path.join(out, 'tokenizer.json'))
   exported = cm.load_hf(out, 'coat')
-  assert exported.config == trainer.llama_config(config.model)
+  assert exported.config == config_lib.architecture(config.model)
   setup = training.build(config, jax.devices()[:1])
   checkpointer = training.trainer.Checkpointer(run, config)
   template = jax.tree.map(
@@ -123,7 +126,7 @@ def test_conflicting_dimension_is_an_error(tiny_config, hf_dir, tmp_path):
     training.build(config, jax.devices()[:1])
   same = tiny_config(model={'init_from': hf_dir, 'vocab_size': 256,
                             'max_seq_len': 64})
-  assert trainer.llama_config(same.model).max_seq_len == 64
+  assert config_lib.architecture(same.model).max_seq_len == 64
   missing = tiny_config(model={'init_from': str(tmp_path / 'nope')})
   with pytest.raises(FileNotFoundError, match='config.json: no such file'):
     training.build(missing, jax.devices()[:1])
@@ -150,9 +153,10 @@ def test_finetune_config_and_command_line(hf_dir, corpus, tmp_path, capsys):
   config = training.apply_overrides(training.load_config(
       os.path.join(ROOT, 'configs', 'finetune_hf.py')), sets)
   training.validate(config, 8)
-  assert config.model.precision == 'coat' and config.data.source == 'text'
+  assert config_lib.recipe(config.model) == recipes.COAT
+  assert config.data.source == 'text'
   assert config.optim.learning_rate < training.OptimConfig().learning_rate
-  assert trainer.llama_config(config.model).num_kv_heads == 2
+  assert config_lib.architecture(config.model).num_kv_heads == 2
   spec = importlib.util.spec_from_file_location(
       'train_main', os.path.join(ROOT, 'train.py'))
   train_main = importlib.util.module_from_spec(spec)

@@ -9,7 +9,9 @@ import pytest
 
 from coat_jax import training
 from coat_jax.models import remat
+from coat_jax.training import config as config_lib
 from coat_jax.training import memory
+from coat_jax.training import planning
 from coat_jax.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -27,7 +29,7 @@ def _param_bytes(config):
 
 def test_estimate_divides_the_step(tiny_config):
   config = tiny_config()
-  mem = memory.estimate(config, ONE, limit=1 << 40)
+  mem = planning.estimate(config, ONE, limit=1 << 40)
   params = _param_bytes(config)
   assert mem.params == params and mem.gradients == params
   # coat_adamw: two E4M3 moments (1 byte per param) plus group scales.
@@ -45,9 +47,9 @@ def test_estimate_divides_the_step(tiny_config):
   for remat_policy, layers in (('auto', "scanned, remat 'full' (auto)"),
                                ('minimal', "scanned, remat 'minimal'")):
     scanned = tiny_config(model={'scan_layers': True, 'remat': remat_policy})
-    assert memory.estimate(scanned, ONE, limit=1 << 40).layers == layers
+    assert planning.estimate(scanned, ONE, limit=1 << 40).layers == layers
   # Sharded over 8 devices (fsdp), each holds about an eighth of the state.
-  sharded = memory.estimate(
+  sharded = planning.estimate(
       tiny_config(mesh={'data': 1, 'fsdp': 8, 'tensor': 1}))
   assert sharded.limit is None  # CPU: no device limit
   assert sharded.params < params / 2
@@ -74,18 +76,18 @@ def test_find_max_batch_searches_multiples_of_the_unit(monkeypatch):
     return memory.MemoryBreakdown(0, 0, 0, 0, 1000 * config.train.batch_size,
                                   limit)
 
-  monkeypatch.setattr(memory, 'estimate', fake_estimate)
+  monkeypatch.setattr(planning, 'estimate', fake_estimate)
   config = training.Config()
   config.train.microbatches = 2
   devices = jax.devices()  # 8: the batch steps by 2 x 8 = 16
-  assert memory.batch_unit(config, 8) == 16
+  assert planning.batch_unit(config, 8) == 16
   for limit, expected in ((15_999, 0), (16_000, 16), (47_999, 32),
                           (48_000, 48), (1_000_000, 992)):
     compiled.clear()
-    assert memory.find_max_batch(config, limit, devices) == expected, limit
+    assert planning.find_max_batch(config, limit, devices) == expected, limit
     assert all(b % 16 == 0 for b in compiled)
     assert len(compiled) <= 2 * math.log2(max(expected, 16) / 16) + 2
-  assert memory.find_max_batch(config, 10**9, devices, max_batch=100) == 96
+  assert planning.find_max_batch(config, 10**9, devices, max_batch=100) == 96
   assert config.train.batch_size == 16  # the config given is not changed
 
 
@@ -120,7 +122,7 @@ def test_find_max_batch_from_the_command_line(run_main):
   code, _, err = run_main(['--find-max-batch'] + base)
   assert code == 2 and '--memory-limit-gib' in err  # CPU: no device limit
   config = training.apply_overrides(training.Config(), sets)
-  at = lambda b: memory.estimate(training.apply_overrides(
+  at = lambda b: planning.estimate(training.apply_overrides(
       config, [f'train.batch_size={b}'])).total
   gib = (at(8) + at(16)) / 2 / memory.GIB  # batch steps by 8 devices
   code, out, _ = run_main(['--find-max-batch', '--memory-limit-gib',
@@ -133,7 +135,7 @@ def test_find_max_batch_from_the_command_line(run_main):
       'model.scan_layers=true model.remat=full'], out
   assert lines[0].endswith('train.batch_size=8'), out
   scanned = training.apply_overrides(config, ['model.scan_layers=true'])
-  fits = lambda b: memory.estimate(training.apply_overrides(
+  fits = lambda b: planning.estimate(training.apply_overrides(
       scanned, [f'train.batch_size={b}'])).total <= gib * memory.GIB
   batch = int(lines[1].rsplit('=', 1)[1])  # the largest multiple of 8
   assert fits(batch) and not fits(batch + 8), (batch, out)
@@ -148,7 +150,7 @@ def test_find_max_batch_says_when_the_other_layout_cannot_run(
     if not config.model.scan_layers:  # as under deterministic GPU ops
       raise ValueError('set model.scan_layers=true')
     return 24
-  monkeypatch.setattr(memory, 'find_max_batch', find_max_batch)
+  monkeypatch.setattr(planning, 'find_max_batch', find_max_batch)
   code, out, _ = run_main(['--find-max-batch', '--memory-limit-gib', '1',
                            '--policies', 'full,none', '--set',
                            'model.scan_layers=true'])
@@ -165,8 +167,8 @@ def test_remat_setting_and_its_errors(run_main):
   config = training.apply_overrides(training.Config(), [
       'model.remat=full', 'data.seq_len=16384', 'model.max_seq_len=16384'])
   training.validate(config, 8)
-  llama = trainer.llama_config(config.model)
-  assert (llama.remat, llama.max_seq_len) == ('full', 16384)
+  arch = config_lib.architecture(config.model)
+  assert (arch.remat, arch.max_seq_len) == ('full', 16384)
   bad = training.apply_overrides(training.Config(), ['model.remat=most'])
   with pytest.raises(ValueError, match=r"model\.remat='most' is not a remat"
                      r" policy: use one of \('none', 'minimal'"):
@@ -175,44 +177,44 @@ def test_remat_setting_and_its_errors(run_main):
   assert code == 2 and 'model.remat' in err and "'full'" in err
 
 
-@pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
-def test_train_step_compiles_with_every_policy(tiny_config, precision):
+@pytest.mark.parametrize('recipe', ['bf16', 'fp8_linear', 'coat'])
+def test_train_step_compiles_with_every_policy(tiny_config, recipe):
   peaks = {}
   for scan in (True, False):
-    for name in memory.usable_policies():
-      config = tiny_config(model={'precision': precision, 'remat': name,
+    for name in planning.usable_policies():
+      config = tiny_config(model={'recipe': recipe, 'remat': name,
                                   'scan_layers': scan})
-      peaks[scan, name] = memory.estimate(config, ONE).activations
-  print(precision, {k: v / 2**20 for k, v in peaks.items()})
+      peaks[scan, name] = planning.estimate(config, ONE).activations
+  print(recipe, {k: v / 2**20 for k, v in peaks.items()})
   offload = jax.default_backend() == 'gpu'
   assert {name for _, name in peaks} == set(remat.POLICIES) - (
       set() if offload else {'minimal_offloaded'})
   assert all(v > 0 for v in peaks.values())
   # Ordered as promised under the scan. XLA:CPU drops jax.checkpoint's
   # optimization barriers before fusion, so unrolled layers recompute
-  # nothing here (on the GPU they do: benchmarks/RESULTS.md "gpu-compile").
+  # nothing here (on the GPU they do: docs/decisions.md#comment-figures).
   assert peaks[True, 'full'] < peaks[True, 'minimal'] < peaks[True, 'none']
-  if precision == 'coat':  # activations grow with the batch
-    config = tiny_config(model={'precision': precision, 'remat': 'none'},
+  if recipe == 'coat':  # activations grow with the batch
+    config = tiny_config(model={'recipe': recipe, 'remat': 'none'},
                          train={'batch_size': 16})
-    assert memory.estimate(config, ONE).activations > peaks[False, 'none']
+    assert planning.estimate(config, ONE).activations > peaks[False, 'none']
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
+@pytest.mark.parametrize('recipe', ['bf16', 'fp8_linear', 'coat'])
 def test_scanned_step_keeps_no_more_than_unrolled_on_gpu(tiny_config,
-                                                         precision):
+                                                         recipe):
   """With the default remat ('auto'), the train step compiled by XLA:GPU
   needs no more memory with scanned layers than with unrolled ones (on an
   H200, 1b, batch 8, measured peaks: coat 10.9 against 19.9 GiB,
   fp8_linear 17.2 against 30.9, bf16 17.2 against 30.7; this test's bf16
   model on an H200: 90 against 144 MiB, 171 scanned with 'minimal')."""
   dims = {'hidden_size': 256, 'intermediate_size': 768, 'num_layers': 4,
-          'num_heads': 4, 'num_kv_heads': 2, 'precision': precision}
+          'num_heads': 4, 'num_kv_heads': 2, 'recipe': recipe}
   total = {}
   for scan in (True, False):
     config = tiny_config(model={**dims, 'scan_layers': scan},
                          data={'seq_len': 256}, train={'batch_size': 16})
-    total[scan] = memory.estimate(config, ONE).total
-  print(precision, {k: v / 2**20 for k, v in total.items()})
+    total[scan] = planning.estimate(config, ONE).total
+  print(recipe, {k: v / 2**20 for k, v in total.items()})
   assert total[True] <= total[False]

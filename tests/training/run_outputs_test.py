@@ -220,10 +220,11 @@ def test_plot_of_real_runs(finished, tmp_path):
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
-def _fake_run(path, precision, lines):
+def _fake_run(path, recipe, lines, key='recipe'):
+  """A run directory; key='precision' writes the recipe's older name."""
   os.makedirs(path)
   with open(os.path.join(path, 'config.json'), 'w') as f:
-    json.dump({'model': {'preset': 'tiny', 'precision': precision},
+    json.dump({'model': {'preset': 'tiny', key: recipe},
                'optim': {'name': 'adamw'}}, f)
   with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
     f.write(lines)
@@ -249,9 +250,13 @@ def test_plot_labels_and_errors(tmp_path, monkeypatch, capsys):
   a, b, c = (str(tmp_path / n) for n in 'abc')
   _fake_run(a, 'bf16', '{"step": 1, "loss": 3.0}\n')
   _fake_run(b, 'coat', '{"step": 1, "loss": 3.1}\n')
-  _fake_run(c, 'coat', '{"step": 1, "loss": 3.2}\n')
-  assert plot._labels([a, b, c]) == [
-      'tiny bf16, adamw', 'tiny coat, adamw (b)', 'tiny coat, adamw (c)']
+  _fake_run(c, 'coat', '{"step": 1, "loss": 3.2}\n', key='precision')
+  d = str(tmp_path / 'd')
+  _fake_run(d, {'scaling': 'block', 'fuse_qkv': False},
+            '{"step": 1, "loss": 3.3}\n')
+  assert plot._labels([a, b, c, d]) == [
+      'tiny bf16, adamw', 'tiny coat, adamw (b)', 'tiny coat, adamw (c)',
+      'tiny custom recipe, adamw']
   assert plot.main([a, str(tmp_path / 'none'), '-o',
                     str(tmp_path / 'x.png')]) == 2
   assert 'no metrics.jsonl' in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""train.py's loop: precision modes, meshes, resume, faults, the CLI."""
+"""train.py's loop: recipes, meshes, resume, faults, the CLI."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -16,8 +17,11 @@ import optax
 import pytest
 
 from coat_jax import quant
+from coat_jax import recipes
 from coat_jax import training
+from coat_jax.models import families
 from coat_jax.models import llama
+from coat_jax.models import lm_loss
 from coat_jax.training import config as config_lib
 from coat_jax.training import trainer
 
@@ -34,9 +38,9 @@ def _train(config, devices):
   return summary, _losses(config.train.run_dir)
 
 
-@pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
-def test_three_steps_in_each_precision(tiny_config, precision):
-  config = tiny_config(model={'precision': precision})
+@pytest.mark.parametrize('recipe', ['bf16', 'fp8_linear', 'coat'])
+def test_three_steps_in_each_recipe(tiny_config, recipe):
+  config = tiny_config(model={'recipe': recipe})
   summary, losses = _train(config, jax.devices()[:1])
   assert len(losses) == 3 and all(np.isfinite(losses))
   assert losses[-1] < losses[0]
@@ -47,16 +51,18 @@ def test_three_steps_in_each_precision(tiny_config, precision):
 def test_block_scaling_reaches_the_model_and_trains(tiny_config,
                                                     monkeypatch):
   seen = []
-  make = trainer.llama.Llama
+  family = families.FAMILIES['llama']
 
   def spy(*args, **kwargs):
-    seen.append(kwargs.get('scaling'))
-    return make(*args, **kwargs)
+    seen.append(kwargs.get('recipe'))
+    return family.model(*args, **kwargs)
 
-  monkeypatch.setattr(trainer.llama, 'Llama', spy)
-  config = tiny_config(model={'scaling': 'block'})
+  monkeypatch.setitem(families.FAMILIES, 'llama',
+                      dataclasses.replace(family, model=spy))
+  config = training.apply_overrides(tiny_config(),
+                                    ['model.recipe.scaling=block'])
   summary, losses = _train(config, jax.devices()[:1])
-  assert seen and set(seen) == {'block'}
+  assert seen and set(seen) == {recipes.COAT_BLOCK}
   assert len(losses) == 3 and all(np.isfinite(losses))
   assert losses[-1] < losses[0] and summary['nonfinite_steps'] == 0
 
@@ -104,7 +110,7 @@ def test_unrolled_layers_step_from_their_own_gradients(tiny_config):
 
   @jax.jit
   def stacked_step(params, opt_state):
-    loss, grads = jax.value_and_grad(lambda p: llama.lm_loss(
+    loss, grads = jax.value_and_grad(lambda p: lm_loss(
         nnx.merge(setup.graphdef, p), x, y))(params)
     norm = optax.tree.norm(grads)
     return trainer._fused_update(config)(grads, norm, opt_state, params,
@@ -252,8 +258,9 @@ def test_mismatched_checkpoint_is_refused(tiny_config, tmp_path):
 
 def test_checkpoint_of_an_older_config_and_runtime_changes_resume(
     tiny_config, tmp_path):
-  # A checkpoint written before model.remat/scaling/... existed resumes (a
-  # missing field counts as its default), and runtime fields may change.
+  # A checkpoint written before model.remat/recipe/... existed resumes (a
+  # missing field counts as its default), and runtime fields (the recipe
+  # among them) may change.
   run = str(tmp_path / 'run')
   _train(tiny_config(train={'run_dir': run}), jax.devices()[:1])
   step_dirs = glob.glob(os.path.join(run, 'checkpoints', '*', 'config'))
@@ -262,14 +269,15 @@ def test_checkpoint_of_an_older_config_and_runtime_changes_resume(
     path = glob.glob(os.path.join(step_dir, '*'))[0]
     with open(path) as f:
       saved = json.load(f)
-    for field in ('remat', 'scaling', 'init_from', 'fp8_weight_gather',
-                  'fuse_qkv'):
+    for field in ('remat', 'init_from', 'qk_norm', 'sliding_window'):
       saved['model'].pop(field, None)
+    saved['model']['precision'] = 'coat'  # as written before recipes
     with open(path, 'w') as f:
       json.dump(saved, f)
   later = tiny_config(train={'run_dir': run, 'steps': 4},
                       model={'remat': 'full', 'scan_layers': False,
-                             'fuse_qkv': False})
+                             'recipe': dataclasses.replace(
+                                 recipes.FP8_LINEAR, fuse_qkv=False)})
   summary, _ = _train(later, jax.devices()[:1])
   assert summary['resumed_from'] == 3 and summary['step'] == 4
 
