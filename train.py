@@ -50,7 +50,9 @@ def main(argv=None) -> int:
                       metavar='SECTION.FIELD=VALUE', help='override fields')
   parser.add_argument('--estimate', action='store_true',
                       help='compile the train step ahead of time, print how'
-                      ' device memory divides, and exit without training')
+                      ' device memory divides, and exit without training'
+                      " (the plan of this machine's compiler: run it on the"
+                      " GPU for a GPU's)")
   parser.add_argument('--find-max-batch', action='store_true',
                       help='find the largest train.batch_size that fits, per'
                       ' layer layout (unrolled, scanned) and remat policy (by'
@@ -185,6 +187,7 @@ def _find_max_batch(config, limit, policies) -> int:
   # faster, scanned ones with remat 'full' keep the least
   # (docs/decisions.md#scanned).
   configured = config_lib.architecture(config.model).scan_layers
+
   def progress(batch, mem, seconds):
     size = ('out of memory while compiling' if mem is None else
             f'{memory.format_size(mem.total).strip()}, '

@@ -179,3 +179,21 @@ def test_export_keeps_the_special_token_ids(tiny_config, tmp_path):
   with pytest.raises(ValueError, match=r"extra_config sets \['vocab_size'\]"):
     cm.save_hf(model, str(tmp_path / 'clash'),
                extra_config={'vocab_size': 3})
+
+
+@pytest.mark.parametrize('setting,message', [
+    ('optim.learning_rate=inf',
+     'optim.learning_rate must be a finite number, got inf.'),
+    ('optim.b2=1.5', "optim.b2 must be in [0, 1) (the second moment's decay),"
+     ' got 1.5.'),
+    ('train.run_dir={file}', 'train.run_dir={file} is a file;'),
+])
+def test_bad_settings_are_one_error_line(run_main, tmp_path, setting,
+                                         message):
+  file = tmp_path / 'notes.txt'
+  file.write_text('')
+  code, out, err = run_main(['--set', setting.format(file=file)])
+  assert code == 2
+  assert err.startswith('error: ' + message.format(file=file)), err
+  assert err.count('\n') == 1 and 'Traceback' not in err
+  assert 'compiled in' not in out  # refused before compiling
