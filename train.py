@@ -50,7 +50,9 @@ def main(argv=None) -> int:
                       metavar='SECTION.FIELD=VALUE', help='override fields')
   parser.add_argument('--estimate', action='store_true',
                       help='compile the train step ahead of time, print how'
-                      ' device memory divides, and exit without training')
+                      ' device memory divides, and exit without training'
+                      " (the plan of this machine's compiler: run it on the"
+                      " GPU for a GPU's)")
   parser.add_argument('--find-max-batch', action='store_true',
                       help='find the largest train.batch_size that fits, per'
                       ' layer layout (unrolled, scanned) and remat policy (by'
@@ -100,18 +102,32 @@ def main(argv=None) -> int:
   if summary['sample'] is not None:
     print(f"sample (greedy): {summary['sample']!r}")
   mem = summary['peak_memory_bytes']
-  print(f"done: step {summary['step']}, train loss {summary['train_loss']:.4f},"
-        f" validation loss {summary['val_loss']:.4f},"
-        f" {summary['tokens_per_s']:,.0f} tokens/s, peak device memory "
+  print(f"done: step {summary['step']}, "
+        + _recorded(_last_recorded(summary['run_dir']))
+        + ', peak device memory '
         + (f'{mem / 2**30:.2f} GiB' if mem else 'n/a (not reported here)')
         + f", skipped non-finite steps {summary['nonfinite_steps']};"
         f" run dir {summary['run_dir']}")
   return 130 if summary['interrupted'] else 0
 
 
-def _complete_message(summary: dict, argv) -> str:
-  """What a rerun of a finished run says: its last metrics, how to go on."""
-  last = summary['last_recorded']
+def _last_recorded(run_dir: str) -> dict:
+  """{metric: (step, value)} of the last finite record of each metric in
+  run_dir's metrics.jsonl ({} without one: processes other than 0 write
+  none)."""
+  from coat_jax.training import metrics  # noqa: PLC0415
+
+  try:
+    return metrics.latest(metrics.read_metrics(run_dir))
+  except FileNotFoundError:
+    return {}
+
+
+def _recorded(last: dict) -> str:
+  """The last logged train loss, validation loss and tokens/s, each with
+  its step (`last`: from `_last_recorded`)."""
+  if 'loss' not in last and 'val_loss' not in last:
+    return 'no metrics in metrics.jsonl'
   shown = []
   for key, name, fmt in (('loss', 'train loss', '.4f'),
                          ('val_loss', 'validation loss', '.4f'),
@@ -119,6 +135,13 @@ def _complete_message(summary: dict, argv) -> str:
     if key in last:
       step, value = last[key]
       shown.append(f'{name} {value:{fmt}} (step {step})')
+    elif key == 'val_loss':
+      shown.append('no evaluation yet')
+  return ', '.join(shown)
+
+
+def _complete_message(summary: dict, argv) -> str:
+  """What a rerun of a finished run says: its last metrics, how to go on."""
   step = summary['step']
   args = sys.argv[1:] if argv is None else list(argv)
   command = shlex.join(['python', 'train.py', *args, '--set',
@@ -126,8 +149,7 @@ def _complete_message(summary: dict, argv) -> str:
   return (f"the run in {summary['run_dir']} is complete: its checkpoint is at"
           f" step {step}, train.steps={summary['train_steps']}; nothing to"
           ' train.\n'
-          '  last recorded: ' + (', '.join(shown) or 'no metrics in'
-                                 ' metrics.jsonl') + '\n'
+          '  last recorded: ' + _recorded(summary['last_recorded']) + '\n'
           f'  to train further, raise train.steps (the cosine schedule is'
           f' recomputed for the new length): {command}')
 
@@ -143,6 +165,7 @@ def _estimate(config, limit) -> int:
 
 
 def _find_max_batch(config, limit, policies) -> int:
+  from coat_jax import recipes  # noqa: PLC0415
   from coat_jax.models import remat  # noqa: PLC0415
   from coat_jax.training import config as config_lib  # noqa: PLC0415
   from coat_jax.training import memory  # noqa: PLC0415
@@ -156,20 +179,29 @@ def _find_max_batch(config, limit, policies) -> int:
            else tuple(p for p in policies.split(',') if p))
   for name in names:
     remat.check_policy(name, '--policies')
+  recipe = config_lib.recipe(config.model)
   print(f'largest train.batch_size within {limit / memory.GIB:.2f} GiB per'
         f' device (seq_len {config.data.seq_len}, model.recipe='
-        f'{config.model.recipe}):')
+        f'{recipes.name_of(recipe) or recipe}):')
   # The configured layer layout first, then the other: unrolled layers run
   # faster, scanned ones with remat 'full' keep the least
   # (docs/decisions.md#scanned).
   configured = config_lib.architecture(config.model).scan_layers
+
+  def progress(batch, mem, seconds):
+    size = ('out of memory while compiling' if mem is None else
+            f'{memory.format_size(mem.total).strip()}, '
+            + ('fits' if mem.fits else 'too large'))
+    print(f'    batch {batch}: {size} (compiled in {seconds:.1f} s)',
+          flush=True)
+
   for scan in (configured, not configured):
     config.model.scan_layers = scan
     layout = f'model.scan_layers={str(scan).lower()}'
     for name in names:
       config.model.remat = name
       try:
-        batch = planning.find_max_batch(config, limit)
+        batch = planning.find_max_batch(config, limit, progress=progress)
       except ValueError as e:  # e.g. unrolled layers under deterministic ops
         if scan == configured:
           raise

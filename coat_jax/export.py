@@ -6,7 +6,8 @@ checkpoint of its family.
 Reads RUN_DIR/config.json (written by train.py) and the newest checkpoint
 under RUN_DIR/checkpoints, then writes OUT_DIR/config.json and safetensors
 that `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads. The
-tokenizer files of model.init_from, if any, are copied along.
+tokenizer files of model.init_from, if any, are copied along, and its
+config.json's bos_token_id, eos_token_id and pad_token_id kept.
 """
 
 import argparse
@@ -19,6 +20,8 @@ import sys
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json',
                    'special_tokens_map.json', 'tokenizer.model',
                    'generation_config.json')
+# The config.json fields of model.init_from that an export keeps.
+TOKEN_ID_FIELDS = ('bos_token_id', 'eos_token_id', 'pad_token_id')
 
 
 def load_run_config(run_dir: str):
@@ -31,6 +34,16 @@ def load_run_config(run_dir: str):
                             ' train.py run directory (train.run_dir).')
   with open(file) as f:
     return config_lib.from_dict(json.load(f))
+
+
+def token_ids(init_from: str) -> dict:
+  """The special token ids (`TOKEN_ID_FIELDS`) that model.init_from's
+  config.json sets: a tokenizer's ids, not the architecture's, so the
+  exported config.json keeps them."""
+  from coat_jax.models import hf  # noqa: PLC0415
+
+  config = hf.read_hf_config(init_from)
+  return {k: config[k] for k in TOKEN_ID_FIELDS if k in config}
 
 
 def export(run_dir: str, out_dir: str, *, dtype: str = 'float32',
@@ -66,8 +79,9 @@ def export(run_dir: str, out_dir: str, *, dtype: str = 'float32',
   finally:
     checkpointer.close()
   model = nnx.merge(setup.graphdef, state['params'])
-  hf.save_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size)
   init_from = config.model.init_from
+  hf.save_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size,
+             extra_config=token_ids(init_from) if init_from else None)
   for name in TOKENIZER_FILES if init_from else ():
     if os.path.isfile(os.path.join(init_from, name)):
       shutil.copyfile(os.path.join(init_from, name),

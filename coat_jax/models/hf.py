@@ -61,8 +61,21 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     raise FileNotFoundError(
         f'{file}: no such file; pass a Hugging Face checkpoint directory'
         ' (config.json and *.safetensors, e.g. from save_pretrained).')
+  return _read_json(file)
+
+
+def _read_json(file: str) -> dict:
+  """A JSON object file; a file that is not one is named as damaged."""
   with open(file) as f:
-    return json.load(f)
+    try:
+      value = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{file} is damaged or incomplete (not JSON: {e});'
+                       ' download or write it again.') from None
+  if not isinstance(value, dict):
+    raise ValueError(f'{file} is damaged: it holds a JSON'
+                     f' {type(value).__name__}, not an object.')
+  return value
 
 
 def config_from_hf(hf: dict, overrides: dict | None = None, *,
@@ -99,8 +112,10 @@ class _Tensors:
   def __init__(self, path: str):
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-      with open(index) as f:
-        weight_map = json.load(f)['weight_map']
+      weight_map = _read_json(index).get('weight_map')
+      if not isinstance(weight_map, dict):
+        raise ValueError(f'{index} has no "weight_map": it is damaged or'
+                         ' incomplete; download the checkpoint again.')
     elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
       weight_map = None
     else:
@@ -133,7 +148,14 @@ class _Tensors:
         raise FileNotFoundError(
             f'{full}: missing shard ({INDEX_FILE} puts {name!r} in it);'
             ' download the complete checkpoint.')
-      handle = _safetensors().safe_open(full, framework='np')
+      safetensors = _safetensors()
+      try:
+        handle = safetensors.safe_open(full, framework='np')
+      except safetensors.SafetensorError as e:
+        raise ValueError(
+            f'{full} is damaged or incomplete ({os.path.getsize(full)} bytes;'
+            f' safetensors: {e}): download or save the checkpoint again.'
+        ) from None
       self._files[file] = self._stack.enter_context(handle)
       self._keys[file] = set(self._files[file].keys())
     if self._map is None and name not in self._keys[file]:
@@ -346,7 +368,8 @@ def _host(x: jax.Array) -> np.ndarray:
 
 
 def save_hf(model: decoder.Decoder, path: str | os.PathLike, *,
-            dtype: str = 'float32', max_shard_size: int = 5 * 2**30) -> None:
+            dtype: str = 'float32', max_shard_size: int = 5 * 2**30,
+            extra_config: Mapping[str, Any] | None = None) -> None:
   """Writes `model` as an HF checkpoint of its family that
   `transformers.AutoModelForCausalLM.from_pretrained(path)` loads.
 
@@ -358,6 +381,9 @@ def save_hf(model: decoder.Decoder, path: str | os.PathLike, *,
     dtype: 'float32' or 'bfloat16' for the saved weights.
     max_shard_size: bytes per safetensors file; larger models are sharded
       with a model.safetensors.index.json.
+    extra_config: more config.json fields that the architecture does not
+      set, e.g. the bos_token_id, eos_token_id and pad_token_id of the
+      checkpoint the model was trained from.
 
   In a multi-process run every process calls it (sharded params are
   gathered one tensor at a time) and process 0 writes the files.
@@ -370,6 +396,11 @@ def save_hf(model: decoder.Decoder, path: str | os.PathLike, *,
   config = model.config
   family = families.of_config(config)
   hf = hf_config(config, dtype)  # before writing: refuses what HF lacks
+  clash = sorted(set(extra_config or {}) & set(hf))
+  if clash:
+    raise ValueError(f'extra_config sets {clash}, which the architecture'
+                     ' sets: leave them out.')
+  hf.update(extra_config or {})
   params = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   # (HF name, param path, layer or None, HF shape), in the HF order.
   entries = []

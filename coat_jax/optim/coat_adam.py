@@ -14,7 +14,8 @@ from coat_jax.optim import moments
 from pallas_kernels import _common
 from pallas_kernels.coat_adam_update import api as update_op
 
-_MOMENT_DTYPES = ('e4m3', 'e5m2', 'float32')
+# The formats a moment may be stored in.
+MOMENT_DTYPES = ('e4m3', 'e5m2', 'float32')
 
 
 class ScaleByCoatAdamState(NamedTuple):
@@ -35,10 +36,10 @@ class ScaleByCoatAdamState(NamedTuple):
 
 def _check_moment_dtypes(moment_dtypes: Any) -> tuple[str, str]:
   if (not isinstance(moment_dtypes, tuple | list) or len(moment_dtypes) != 2
-      or any(d not in _MOMENT_DTYPES for d in moment_dtypes)):
+      or any(d not in MOMENT_DTYPES for d in moment_dtypes)):
     raise ValueError(
         f'moment_dtypes={moment_dtypes!r} must be a pair (first moment, second'
-        f' moment) of formats from {_MOMENT_DTYPES}, e.g. ("e4m3", "e4m3").')
+        f' moment) of formats from {MOMENT_DTYPES}, e.g. ("e4m3", "e4m3").')
   return tuple(moment_dtypes)
 
 
@@ -104,7 +105,9 @@ def scale_by_coat_adam(
 
   Each step dequantizes m and v, updates them in float32
   (m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2), returns the bias-corrected
-  m_hat / (sqrt(v_hat) + eps) computed from these unquantized moments, and then
+  m_hat / (sqrt(v_hat) + eps) computed from these unquantized moments (in
+  the dtype `optax.scale_by_adam` returns: the gradient's, promoted with the
+  param's when `params` are given, so bf16 params get bf16 updates), and then
   requantizes m and v in groups of `group_size` along each param's last axis.
   Every param is quantized, whatever its size. With expansion and E4M3 the
   state is 2.125 bytes per param (FP8 codes plus a float32 max and exponent per
@@ -152,7 +155,6 @@ def scale_by_coat_adam(
     )
 
   def update_fn(updates, state, params=None):
-    del params
     _check_floating(updates, 'updates')
     treedef = jax.tree.structure(updates)
     # The moments may come back in other containers (nnx.Optimizer hands
@@ -168,7 +170,14 @@ def scale_by_coat_adam(
     out = [_adam_leaf(g, m, v, count_inc) for g, m, v in zip(gs, mus, nus)]
     new_mu = [moments.like(o[1], m) for o, m in zip(out, old_mu)]
     new_nu = [moments.like(o[2], v) for o, v in zip(out, old_nu)]
-    return treedef.unflatten([o[0] for o in out]), ScaleByCoatAdamState(
+    # In the dtype optax's scale_by_adam gives (its moments are the params'
+    # dtype): the gradient's and the param's promoted.
+    dtypes = [g.dtype for g in treedef.flatten_up_to(updates)]
+    if params is not None:
+      dtypes = [jnp.promote_types(d, p.dtype)
+                for d, p in zip(dtypes, treedef.flatten_up_to(params))]
+    new_updates = [o[0].astype(d) for o, d in zip(out, dtypes)]
+    return treedef.unflatten(new_updates), ScaleByCoatAdamState(
         count=count_inc, mu=treedef.unflatten(new_mu),
         nu=treedef.unflatten(new_nu))
 

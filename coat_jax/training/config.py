@@ -6,6 +6,7 @@ A config file is a Python file with `get_config() -> Config`. Overrides are
 
 import dataclasses
 import importlib.util
+import math
 import os
 import types
 import typing
@@ -16,6 +17,7 @@ from coat_jax.models import decoder
 from coat_jax.models import families
 from coat_jax.models import hf
 from coat_jax.models import remat as remat_lib
+from coat_jax.optim.coat_adam import MOMENT_DTYPES
 
 
 def _architecture_fields() -> list[tuple[str, Any, Any]]:
@@ -298,6 +300,83 @@ def _deep_copy(config: Config) -> Config:
       for f in dataclasses.fields(config)})
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """An interval of allowed values; `str` gives it as the errors say it."""
+
+  low: float
+  high: float = math.inf
+  include_low: bool = True
+  include_high: bool = False
+  note: str = ''
+
+  def __contains__(self, value: float) -> bool:
+    above = value >= self.low if self.include_low else value > self.low
+    below = value <= self.high if self.include_high else value < self.high
+    return above and below
+
+  def __str__(self) -> str:
+    if self.high != math.inf:
+      text = (f'in {"[" if self.include_low else "("}{self.low},'
+              f' {self.high}{"]" if self.include_high else ")"}')
+    elif self.include_low:
+      text = f'>= {self.low}'
+    else:
+      text = 'positive' if self.low == 0 else f'> {self.low}'
+    return text + (f' ({self.note})' if self.note else '')
+
+
+POSITIVE = Range(0, include_low=False)
+NON_NEGATIVE = Range(0)
+
+# The allowed values of every numeric field (unset model fields, None, are
+# skipped); every float must also be finite. The architecture's sizes are
+# those `decoder.DecoderConfig` requires, named by their config field.
+RANGES = {
+    'model.vocab_size': POSITIVE,
+    'model.hidden_size': POSITIVE,
+    'model.intermediate_size': POSITIVE,
+    'model.num_layers': POSITIVE,
+    'model.num_heads': POSITIVE,
+    'model.num_kv_heads': POSITIVE,
+    'model.max_seq_len': POSITIVE,
+    'model.head_dim': POSITIVE,
+    'model.sliding_window': POSITIVE,
+    'model.sliding_window_pattern': POSITIVE,
+    'model.rope_theta': POSITIVE,
+    'model.rope_local_theta': POSITIVE,
+    'model.rms_norm_eps': POSITIVE,
+    'model.init_std': POSITIVE,
+    'model.query_scale': POSITIVE,
+    'optim.learning_rate': Range(0, include_low=False,
+                                 note='the peak of the schedule'),
+    'optim.warmup_steps': NON_NEGATIVE,
+    'optim.end_learning_rate_ratio': Range(
+        0, 1, include_high=True,
+        note='the final learning rate over the peak'),
+    'optim.b1': Range(0, 1, note="the first moment's decay"),
+    'optim.b2': Range(0, 1, note="the second moment's decay"),
+    'optim.eps': POSITIVE,
+    'optim.weight_decay': Range(0, note='0: none'),
+    'optim.clip_norm': Range(0, include_low=False,
+                             note='the largest global gradient norm'),
+    'optim.group_size': POSITIVE,
+    'data.seq_len': POSITIVE,
+    'data.val_fraction': Range(0, 1, include_low=False),
+    'train.steps': POSITIVE,
+    'train.batch_size': POSITIVE,
+    'train.microbatches': POSITIVE,
+    'train.seed': NON_NEGATIVE,
+    'train.log_every': POSITIVE,
+    'train.eval_every': POSITIVE,
+    'train.eval_batches': POSITIVE,
+    'train.checkpoint_every': Range(0, note='0: only on Ctrl-C'),
+    'train.keep_checkpoints': POSITIVE,
+    'train.sample_tokens': Range(0, note='0: no sample'),
+    'train.compilation_cache_max_gib': Range(0, note='0: no bound'),
+}
+
+
 def validate(config: Config, num_devices: int) -> None:
   """Checks values and their combinations; raises ValueError naming the field.
 
@@ -315,6 +394,8 @@ def validate(config: Config, num_devices: int) -> None:
       if not _is_instance(value, hints[f.name]):
         raise ValueError(f'{name}={value!r} has type {type(value).__name__};'
                          f' expected {hints[f.name]}.')
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f'{name} must be a finite number, got {value!r}.')
   m, o, d, t = config.model, config.optim, config.data, config.train
   recipe(m)  # a Recipe, or a preset's name
   if m.init_from is None and m.preset not in families.presets():
@@ -326,29 +407,23 @@ def validate(config: Config, num_devices: int) -> None:
   _one_of('data.source', d.source, ('stdlib', 'text', 'tokens'))
   _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))
   _one_of('train.on_nonfinite', t.on_nonfinite, ('skip', 'stop'))
-  for name in ('train.steps', 'train.batch_size', 'train.microbatches',
-               'train.log_every', 'train.eval_every', 'train.eval_batches',
-               'train.keep_checkpoints',
-               'data.seq_len', 'optim.group_size'):
+  for name, allowed in RANGES.items():
     section, field = name.split('.')
-    if getattr(getattr(config, section), field) <= 0:
-      raise ValueError(f'{name} must be positive.')
-  if t.sample_tokens < 0:
-    raise ValueError('train.sample_tokens must be >= 0 (0: no sample).')
+    value = getattr(getattr(config, section), field)
+    if value is not None and value not in allowed:
+      raise ValueError(f'{name} must be {allowed}, got {value!r}.')
+  if len(o.moment_dtypes) != 2 or not set(o.moment_dtypes) <= set(
+      MOMENT_DTYPES):
+    raise ValueError(f'optim.moment_dtypes={",".join(o.moment_dtypes)!r}'
+                     ' must be two formats (first moment, second moment) of'
+                     f' {MOMENT_DTYPES}, e.g. e4m3,e4m3.')
+  _check_run_dir(t.run_dir)
   if t.sample_tokens and not t.sample_prompt:
     raise ValueError('train.sample_prompt is empty: give some text to'
                      ' continue, or set train.sample_tokens=0.')
-  if t.compilation_cache_max_gib < 0:
-    raise ValueError('train.compilation_cache_max_gib must be >= 0 (0: no'
-                     ' bound).')
-  if t.checkpoint_every < 0:
-    raise ValueError('train.checkpoint_every must be >= 0 (0: only on'
-                     ' Ctrl-C).')
   if o.fused and not can_fuse(o):
     raise ValueError('optim.fused=true needs optim.name=coat_adamw with FP8'
                      f' moments (got {o.name}, {o.moment_dtypes}).')
-  if not 0 < d.val_fraction < 1:
-    raise ValueError(f'data.val_fraction={d.val_fraction} must be in (0, 1).')
   if d.source != 'stdlib' and not d.paths:
     raise ValueError(f'data.source={d.source!r} needs data.paths (files or'
                      ' globs, comma-separated).')
@@ -363,6 +438,23 @@ def validate(config: Config, num_devices: int) -> None:
         f'the microbatch ({t.batch_size} / {t.microbatches} = {micro}) must be'
         f' divisible by mesh.data x mesh.fsdp = {data_shards}: change'
         ' train.batch_size, train.microbatches or the mesh.')
+
+
+def _check_run_dir(run_dir: str) -> None:
+  """Raises ValueError unless `run_dir` is, or can be made, a directory."""
+  if not run_dir:
+    raise ValueError('train.run_dir is empty: name the directory for the'
+                     ' run\'s checkpoints and metrics.')
+  existing = run_dir
+  while existing and not os.path.exists(existing):
+    existing = os.path.dirname(existing.rstrip(os.sep))
+  if existing and not os.path.isdir(existing):
+    where = ('is a file' if existing == run_dir else
+             f'cannot be made: {existing} is a file')
+    raise ValueError(
+        f'train.run_dir={run_dir} {where}; it must be a directory (where the'
+        ' run keeps its checkpoints and metrics): choose another'
+        ' train.run_dir.')
 
 
 def _check_no_unknown_attributes(section: str, sub: Any) -> None:

@@ -34,7 +34,10 @@ class MemoryBreakdown:
   limit: what XLA may allocate on the device (None where unknown, as on
   CPU without --memory-limit-gib). layers: how the decoder layers run
   (e.g. "unrolled, remat 'none'"; 'auto' resolved), printed with the
-  activations; '' where unknown.
+  activations; '' where unknown. platform, device: the jax platform
+  ('cpu', 'gpu', 'tpu') and the device kind (e.g. 'NVIDIA H200') the step
+  was compiled for: the plan is that compiler's, and XLA:CPU's is no
+  estimate of a GPU's; '' where unknown.
   """
 
   params: int
@@ -44,6 +47,8 @@ class MemoryBreakdown:
   total: int
   limit: int | None
   layers: str = ''
+  platform: str = ''
+  device: str = ''
 
   @property
   def fits(self) -> bool:
@@ -55,18 +60,26 @@ class MemoryBreakdown:
             ('optimizer state', self.optimizer_state),
             ('gradients', self.gradients),
             ('activations and temporaries', self.activations)]
-    lines = ['memory per device (compiled train step):']
-    lines += [f'  {name:<28} {_size(size)}' for name, size in rows]
+    lines = ['memory per device (compiled train step'
+             + (f' for {self.device}' if self.device else '') + '):']
+    if self.platform == 'cpu':
+      lines.append(
+          "  (XLA:CPU's plan, not a GPU's: a GPU compiles the step with"
+          ' other fusions and kernels into a different, usually much'
+          ' smaller, peak; for a GPU\'s figure compile on that GPU, e.g.'
+          ' python train.py --estimate there)')
+    lines += [f'  {name:<28} {format_size(size)}' for name, size in rows]
     if self.layers:
       lines[-1] += f'  ({self.layers})'
     limit = ('(no device limit known)' if self.limit is None
-             else f'of {_size(self.limit).strip()} the device allows'
+             else f'of {format_size(self.limit).strip()} the device allows'
              f' ({self.total / self.limit:.0%})')
-    lines.append(f'  {"total":<28} {_size(self.total)} {limit}')
+    lines.append(f'  {"total":<28} {format_size(self.total)} {limit}')
     return '\n'.join(lines)
 
 
-def _size(n: int) -> str:
+def format_size(n: int) -> str:
+  """n bytes in GiB, or in MiB below a tenth of a GiB, 9 characters wide."""
   return (f'{n / GIB:9.2f} GiB' if n >= GIB // 10
           else f'{n / 2**20:9.2f} MiB')
 
@@ -106,6 +119,7 @@ def breakdown(setup: Any, compiled,
   limit: bytes the device allows; None reads the device's `bytes_limit`.
   """
   abstract, shardings = setup.abstract_state, setup.state_shardings
+  device = setup.mesh.devices.flat[0]
   params = _per_device_bytes(abstract['params'], shardings['params'])
   opt = _per_device_bytes(abstract['opt_state'], shardings['opt_state'])
   stats = compiled.memory_analysis()
@@ -119,7 +133,8 @@ def breakdown(setup: Any, compiled,
       params=params, optimizer_state=opt, gradients=min(params, temp),
       activations=max(temp - params, 0), total=total,
       limit=device_limit() if limit is None else limit,
-      layers=_layers(setup.config.model))
+      layers=_layers(setup.config.model), platform=device.platform,
+      device=device.device_kind)
 
 
 def _layers(model: Any) -> str:
