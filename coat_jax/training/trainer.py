@@ -449,6 +449,12 @@ def _train(config: config_lib.Config, devices) -> dict:
   cache = compilation_cache.use_compilation_cache(
       t.compilation_cache_dir, t.compilation_cache_max_gib)
   setup = build(config, devices)
+  # The data is read and checked before the step compiles: its errors come
+  # at once.
+  data = data_config(config)
+  dataset = data_lib.load_dataset(data, setup.architecture.vocab_size,
+                                  init_from=config.model.init_from)
+  tokenizer = tokenizer_lib.for_data(data)
   done = checkpoints_lib.latest_step_on_disk(t.run_dir)
   mem, compile_s = None, None
   if done is None or done < t.steps:  # a finished run compiles nothing
@@ -466,9 +472,6 @@ def _train(config: config_lib.Config, devices) -> dict:
             + ')', flush=True)
       print(mem.format(), flush=True)
     memory.check_fits(mem, config)
-  data = data_config(config)
-  dataset = data_lib.load_dataset(data, setup.architecture.vocab_size)
-  tokenizer = tokenizer_lib.for_data(data)
   os.makedirs(t.run_dir, exist_ok=True)
   if lead:
     with open(os.path.join(t.run_dir, 'config.json'), 'w') as f:

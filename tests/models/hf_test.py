@@ -212,12 +212,12 @@ def _write(tmp_path, **changes):
 @pytest.mark.parametrize('changes, error', [
     (dict(model_type='gpt2'), "model_type='gpt2' is not supported"),
     (dict(rope_scaling=dict(rope_type='yarn', factor=4.0)),
-     "rope_type='yarn' is not supported"),
+     'rope_scaling.rope_type="yarn" is not supported'),
     (dict(rope_parameters=dict(rope_type='dynamic', factor=2.0)),
-     "rope_type='dynamic' is not supported"),
-    (dict(attention_bias=True), 'attention_bias=True is not supported'),
-    (dict(mlp_bias=True), 'mlp_bias=True is not supported'),
-    (dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
+     'rope_parameters.rope_type="dynamic" is not supported'),
+    (dict(attention_bias=True), 'attention_bias=true is not supported'),
+    (dict(mlp_bias=True), 'mlp_bias=true is not supported'),
+    (dict(hidden_act='gelu'), 'hidden_act="gelu" is not supported'),
     (dict(head_dim=32),
      r"'model.layers.0.self_attn.k_proj.weight' has shape \(32, 64\);"
      r' config.json implies \(64, 64\)'),
@@ -316,5 +316,5 @@ def test_config_json_variants():
       'rope_type': 'llama3', 'rope_theta': 5e5, **llama3}})
   assert v4 == v5 and v4.rope_theta == 5e5
   assert v4.rope_scaling == cm.RopeScaling(**llama3)
-  with pytest.raises(ValueError, match="rope_type 'llama3' lack 'factor'"):
+  with pytest.raises(ValueError, match="rope_scaling of rope_type 'llama3' lacks 'factor'"):
     hf.config_from_hf({**base, 'rope_scaling': {'rope_type': 'llama3'}})

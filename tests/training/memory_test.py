@@ -146,7 +146,7 @@ def test_find_max_batch_from_the_command_line(run_main):
 
 def test_find_max_batch_says_when_the_other_layout_cannot_run(
     run_main, monkeypatch):
-  def find_max_batch(config, limit):
+  def find_max_batch(config, limit, **_):
     if not config.model.scan_layers:  # as under deterministic GPU ops
       raise ValueError('set model.scan_layers=true')
     return 24

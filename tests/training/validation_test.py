@@ -350,3 +350,13 @@ def test_a_damaged_shard_or_index_is_named(tiny_hf, tmp_path):
   with pytest.raises(ValueError, match='config.json is damaged or'
                      ' incomplete'):
     hf.load_hf(tmp_path, 'bf16')
+
+
+def test_data_errors_come_before_the_step_compiles(tiny_config, tmp_path,
+                                                   monkeypatch):
+  """The trainer reads and checks the data before compiling the step."""
+  from coat_jax.training import memory  # noqa: PLC0415
+  monkeypatch.setattr(memory, 'compile_train_step', None)  # never reached
+  config = tiny_config(data={'paths': (str(tmp_path),)})
+  with pytest.raises(ValueError, match='names only directories'):
+    training.train(config, devices=jax.devices()[:1])
