@@ -140,8 +140,18 @@ class TrainConfig:
   log_every: int = 10
   eval_every: int = 50
   eval_batches: int = 4
-  checkpoint_every: int = 100  # 0: only on Ctrl-C
+  # Saves every checkpoint_every steps (0: no periodic saves); the last step,
+  # Ctrl-C and SIGTERM save too.
+  checkpoint_every: int = 100
   keep_checkpoints: int = 2
+  # false: no checkpoint at all, not even the final state (for runs that
+  # only measure; a warning at the start says so).
+  save_checkpoints: bool = True
+  # A checkpoint that cannot be read (a file missing, cut short or
+  # overwritten): 'fallback' reports it and resumes from the newest one
+  # before it that restores, moving the damaged ones to
+  # run_dir/damaged_checkpoints; 'stop' raises naming its step and file.
+  on_damaged_checkpoint: str = 'fallback'
   run_dir: str = 'runs/default'
   on_nonfinite: str = 'skip'  # or 'stop'
   progress_bar: bool = True
