@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         + (f'{mem / 2**30:.2f} GiB' if mem else 'n/a (not reported here)')
         + f", skipped non-finite steps {summary['nonfinite_steps']};"
         f" run dir {summary['run_dir']}")
-  return 130 if summary['interrupted'] else 0
+  return 128 + summary['signal'] if summary['interrupted'] else 0
 
 
 def _last_recorded(run_dir: str) -> dict:

@@ -81,7 +81,7 @@ def train_command(args, mode: str, overrides: list[str], lr: float,
           f'optim.learning_rate={lr}', f'train.seed={seed}',
           f'train.eval_every={args.eval_every}',
           f'train.eval_batches={args.eval_batches}', 'train.log_every=10',
-          'train.checkpoint_every=0', 'train.progress_bar=false',
+          'train.save_checkpoints=false', 'train.progress_bar=false',
           f'train.run_dir={run_dir}', *e2e.MODE_OVERRIDES[mode],
           *(DETERMINISTIC_LAYERS if args.deterministic else ()),
           *args.set, *overrides]

@@ -3,14 +3,66 @@
 Orbax casts a restored array to the template's dtype without a word (and an
 FP32 value cast into E4M3 can overflow to NaN), so `restore` first compares the
 stored tree, shapes and dtypes with the template and raises on any difference.
+A file that is missing or cannot be read raises `DamagedCheckpointError`,
+naming the file, instead of orbax's and tensorstore's traceback.
 """
 
+import contextlib
 import os
+import re
 from typing import Any
 
+from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+
+class DamagedCheckpointError(ValueError):
+  """A file of a checkpoint is missing or cannot be read.
+
+  Attributes:
+    path: the file (or directory) that is missing or unreadable.
+    why: what is wrong, on one line.
+    step: the train step the checkpoint holds (None outside a run).
+  """
+
+  def __init__(self, path: str, why: str, step: int | None = None):
+    self.path, self.why, self.step = path, why, step
+    what = 'checkpoint' if step is None else f'checkpoint of step {step}'
+    super().__init__(f'the {what} is damaged: {path}: {why}')
+
+
+# The files tensorstore names in its errors, e.g. `Error reading "..." in
+# OCDBT database at local file "<dir>/state/": ...`.
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+_MAX_WHY = 500
+
+
+@contextlib.contextmanager
+def reading(path: str, step: int | None = None):
+  """Turns an error raised while orbax reads `path` into a
+  `DamagedCheckpointError` naming the file (the one tensorstore names where
+  it names one, else `path`) and the error, on one line. Running out of
+  memory is no damage and propagates as it is."""
+  try:
+    yield
+  except MemoryError:
+    raise
+  except Exception as e:  # orbax and tensorstore raise many kinds
+    # tensorstore's data errors come as the cause of orbax's.
+    while e.__cause__ is not None:
+      e = e.__cause__
+    text = str(e).split(' [tensorstore_spec=')[0].strip()
+    if 'RESOURCE_EXHAUSTED' in text:
+      raise
+    text = text.splitlines()[0] if text else ''
+    files = [f for f in _LOCAL_FILE.findall(text) if not f.endswith('/')]
+    why = f'{type(e).__name__}: {text}'
+    if len(why) > _MAX_WHY:
+      why = why[:_MAX_WHY] + ' ...'
+    raise DamagedCheckpointError(files[-1] if files else path, why,
+                                 step) from e
 
 
 def _key_name(key: Any) -> str:
@@ -82,11 +134,16 @@ def restore(directory: str | os.PathLike, template: Any) -> Any:
 
   Raises:
     FileNotFoundError: nothing was saved there.
+    DamagedCheckpointError: a file of it is missing or cannot be read.
     ValueError: the tree, a shape or a dtype differs from what was saved.
   """
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f'No checkpoint at {directory}.')
-  checkpointer = ocp.StandardCheckpointer()
-  check_matches(checkpointer.metadata(directory).item_metadata.tree, template)
-  return checkpointer.restore(directory, template)
+  # The handler's metadata raises where StandardCheckpointer's logs and
+  # returns None.
+  with reading(os.path.join(directory, '_METADATA')):
+    stored = ocp.StandardCheckpointHandler().metadata(epath.Path(directory))
+  check_matches(stored.tree, template)
+  with reading(directory):
+    return ocp.StandardCheckpointer().restore(directory, template)

@@ -4,16 +4,23 @@ Each step directory holds the state and the config that wrote it. Orbax
 commits a step by renaming a finished temporary directory, so a save killed
 half way leaves the previous step loadable. Restoring compares the saved
 config (model, optimizer layout, seed) and every leaf's shape and dtype with
-what this run expects before reading anything, since orbax would cast.
+what this run expects before reading anything, since orbax would cast. A step
+whose files are missing or unreadable raises `DamagedCheckpointError` naming
+the step and the file; `Checkpointer.restore_newest` then moves it aside and
+resumes from the newest step that restores.
 """
 
+from collections.abc import Callable
 import dataclasses
 import os
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
+from coat_jax.checkpoint import DamagedCheckpointError
 from coat_jax.checkpoint import check_matches
+from coat_jax.checkpoint import reading
 from coat_jax.training.config import Config
 from coat_jax.training.config import ModelConfig
 
@@ -58,6 +65,13 @@ def latest_step_on_disk(run_dir: str) -> int | None:
   return max(steps) if steps else None
 
 
+# Where `Checkpointer.restore_newest` moves damaged steps, in the run
+# directory: out of the way of this run's saves, kept for inspection.
+DAMAGED_DIR = 'damaged_checkpoints'
+# The two items of a step directory.
+_ITEMS = ('state', 'config')
+
+
 class Checkpointer:
   """Saves and restores the train state under `<run_dir>/checkpoints`."""
 
@@ -76,23 +90,120 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, *, wait: bool = False) -> None:
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        config=ocp.args.JsonSave(_jsonable(_must_match(self.config)))),
-        force=True)
+    """Saves `state` as `step` in the background (wait: until it is
+    committed); a step saved already (a stop right after a periodic save) is
+    not saved again."""
+    if step not in self.manager.all_steps():
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          config=ocp.args.JsonSave(_jsonable(_must_match(self.config)))),
+          force=True)
     if wait:
       self.manager.wait_until_finished()
+
+  def restore_newest(self, template: Any, *,
+                     report: Callable[[str], None] = print
+                     ) -> tuple[int | None, Any]:
+    """(step, state) of the newest step that restores into `template`;
+    (None, None) when there is no step.
+
+    A damaged step is reported; with train.on_damaged_checkpoint='stop' its
+    error is raised, else the step before it is tried, and once one
+    restores, the damaged ones are moved to `<run_dir>/damaged_checkpoints`
+    (out of the way of this run's saves).
+
+    Raises:
+      DamagedCheckpointError: the newest step is damaged and
+        train.on_damaged_checkpoint='stop'.
+      ValueError: no step restores (nothing is moved), or one was written
+        with another configuration (`restore`).
+    """
+    damaged = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        state = self.restore(step, template)
+      except DamagedCheckpointError as e:
+        if self.config.train.on_damaged_checkpoint == 'stop':
+          raise DamagedCheckpointError(e.path, e.why + (
+              '\nSet train.on_damaged_checkpoint=fallback to resume from the'
+              ' newest intact checkpoint before it (this one is then moved to'
+              f' {self._damaged_dir()}), or move'
+              f' {self._step_dir(step)} away.'), step) from e
+        report(f'{e}\n  trying the checkpoint before it'
+               ' (train.on_damaged_checkpoint=stop stops instead).')
+        damaged.append(step)
+        continue
+      for bad in damaged:
+        report(f'moved the damaged step {bad} to {self._set_aside(bad)}.')
+      return step, state
+    if damaged:
+      raise ValueError(
+          f'no checkpoint under {self.directory} restores (steps'
+          f' {damaged}, each damaged as reported above): move the directory'
+          ' away to start afresh.')
+    return None, None
 
   def restore(self, step: int, template: Any) -> Any:
     """Restores `step` into `template` (abstract arrays with shardings).
 
     Raises:
+      DamagedCheckpointError: a file of the step is missing or cannot be
+        read (it names the step and the file).
       ValueError: the checkpoint was written by another model or optimizer
         layout, or a leaf's shape or dtype differs.
     """
     self.manager.wait_until_finished()
-    saved = self.manager.restore(step, args=ocp.args.Composite(
-        config=ocp.args.JsonRestore()))['config']
+    self._check_items(step)
+    step_dir = self._step_dir(step)
+    with reading(os.path.join(step_dir, 'config'), step):
+      saved = self.manager.restore(step, args=ocp.args.Composite(
+          config=ocp.args.JsonRestore()))['config']
+    self._check_config(saved, step)
+    with reading(os.path.join(step_dir, 'state', '_METADATA'), step):
+      metadata = self.manager.item_metadata(step)['state']
+    tree = getattr(metadata, 'tree', metadata)
+    check_matches(tree, template, what=f'checkpoint at step {step}')
+    with reading(os.path.join(step_dir, 'state'), step):
+      return self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(template)))['state']
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _damaged_dir(self) -> str:
+    return os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)
+
+  def _check_items(self, step: int) -> None:
+    """Raises DamagedCheckpointError for an empty step directory or one
+    without both items."""
+    step_dir = self._step_dir(step)
+    present = sorted(os.listdir(step_dir))
+    if not present:
+      raise DamagedCheckpointError(step_dir, 'the step directory is empty',
+                                   step)
+    for item in _ITEMS:
+      if item not in present:
+        raise DamagedCheckpointError(
+            os.path.join(step_dir, item),
+            f'missing (the step directory holds {present})', step)
+
+  def _set_aside(self, step: int) -> str:
+    """Moves `step`'s directory to `<run_dir>/damaged_checkpoints/<step>`
+    (`<step>.2`, ... if taken); returns where. One process moves it."""
+    target = base = os.path.join(self._damaged_dir(), str(step))
+    n = 1
+    while os.path.exists(target):
+      n += 1
+      target = f'{base}.{n}'
+    if jax.process_index() == 0:
+      os.makedirs(self._damaged_dir(), exist_ok=True)
+      os.rename(self._step_dir(step), target)
+    self.manager.reload()
+    return target
+
+  def _check_config(self, saved: dict, step: int) -> None:
+    """Raises ValueError unless `saved` (a step's config item) describes the
+    model, optimizer layout and seed of this run."""
     wanted = _jsonable(_must_match(self.config))
     # A model field newer than the checkpoint counts as its default.
     saved['model'] = {**_jsonable(_MODEL_DEFAULTS), **saved.get('model', {})}
@@ -105,11 +216,6 @@ class Checkpointer:
           f'The checkpoint at {self.directory}/{step} was written with another'
           ' configuration:\n  ' + '\n  '.join(diffs) + '\nUse a new'
           ' train.run_dir, or the settings that wrote it.')
-    metadata = self.manager.item_metadata(step)['state']
-    tree = getattr(metadata, 'tree', metadata)
-    check_matches(tree, template, what=f'checkpoint at step {step}')
-    return self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(template)))['state']
 
   def close(self) -> None:
     self.manager.wait_until_finished()

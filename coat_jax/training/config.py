@@ -142,8 +142,18 @@ class TrainConfig:
   log_every: int = 10
   eval_every: int = 50
   eval_batches: int = 4
-  checkpoint_every: int = 100  # 0: only on Ctrl-C
+  # Saves every checkpoint_every steps (0: no periodic saves); the last step,
+  # Ctrl-C and SIGTERM save too.
+  checkpoint_every: int = 100
   keep_checkpoints: int = 2
+  # false: no checkpoint at all, not even the final state (for runs that
+  # only measure; a warning at the start says so).
+  save_checkpoints: bool = True
+  # A checkpoint that cannot be read (a file missing, cut short or
+  # overwritten): 'fallback' reports it and resumes from the newest one
+  # before it that restores, moving the damaged ones to
+  # run_dir/damaged_checkpoints; 'stop' raises naming its step and file.
+  on_damaged_checkpoint: str = 'fallback'
   run_dir: str = 'runs/default'
   on_nonfinite: str = 'skip'  # or 'stop'
   progress_bar: bool = True
@@ -370,7 +380,7 @@ RANGES = {
     'train.log_every': POSITIVE,
     'train.eval_every': POSITIVE,
     'train.eval_batches': POSITIVE,
-    'train.checkpoint_every': Range(0, note='0: only on Ctrl-C'),
+    'train.checkpoint_every': Range(0, note='0: no periodic saves'),
     'train.keep_checkpoints': POSITIVE,
     'train.sample_tokens': Range(0, note='0: no sample'),
     'train.compilation_cache_max_gib': Range(0, note='0: no bound'),
@@ -407,6 +417,8 @@ def validate(config: Config, num_devices: int) -> None:
   _one_of('data.source', d.source, ('stdlib', 'text', 'tokens'))
   _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))
   _one_of('train.on_nonfinite', t.on_nonfinite, ('skip', 'stop'))
+  _one_of('train.on_damaged_checkpoint', t.on_damaged_checkpoint,
+          ('fallback', 'stop'))
   for name, allowed in RANGES.items():
     section, field = name.split('.')
     value = getattr(getattr(config, section), field)

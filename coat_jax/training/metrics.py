@@ -3,8 +3,8 @@
 Each line of metrics.jsonl is one JSON record with a `step` and the scalars
 logged at it (`loss`, `grad_norm`, `learning_rate`, `tokens_per_s`,
 `nonfinite_steps`, `peak_memory_bytes` on training lines; `val_loss` on
-validation lines). A resumed run appends, so a step may appear twice: the
-later record wins.
+validation lines). A resumed run first drops the records past the step it
+resumes from (`MetricsLog.drop_after`: it replays those steps), then appends.
 """
 
 import json
@@ -58,10 +58,30 @@ class MetricsLog:
     self._file = None
     self._writer = None
     self._make_writer = None
+    self._purge_step = None
     if write and tensorboard:
       module = _tensorboardx()  # Fails now, not after the first steps.
       logdir = os.path.join(run_dir, TENSORBOARD_DIR)
-      self._make_writer = lambda: module.SummaryWriter(logdir)
+      self._make_writer = lambda: module.SummaryWriter(
+          logdir, purge_step=self._purge_step)
+
+  def drop_after(self, step: int) -> None:
+    """Drops the records past `step` (a run resumed from `step` replays
+    those steps): from metrics.jsonl now, and from TensorBoard's view by a
+    purge at the first write. Call it before the first write."""
+    if self._path is None:
+      return
+    if self._file is not None:  # appends would go to the replaced file
+      raise RuntimeError('MetricsLog.drop_after must precede the first write.')
+    self._purge_step = step + 1
+    if not os.path.isfile(self._path):
+      return
+    with open(self._path) as f:
+      kept = [line for line in f if _step_of(line) <= step]
+    tmp = self._path + '.tmp'
+    with open(tmp, 'w') as f:
+      f.writelines(kept)
+    os.replace(tmp, self._path)  # a kill leaves the old file or the new
 
   def write(self, step: int, **scalars: float | int | None) -> None:
     """Logs `scalars` at `step`; None values are left out."""
@@ -88,6 +108,15 @@ class MetricsLog:
       self._file.close()
     if self._writer is not None:
       self._writer.close()
+
+
+def _step_of(line: str) -> float:
+  """The step of a metrics.jsonl line; inf (past any step) for a blank line
+  or one cut short by a kill."""
+  try:
+    return json.loads(line)['step']
+  except (json.JSONDecodeError, KeyError, TypeError):
+    return math.inf
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

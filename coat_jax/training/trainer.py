@@ -5,6 +5,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -408,12 +409,17 @@ def _peak_memory() -> int | None:
   return max(peaks) if peaks else None
 
 
-def restore_state(setup: Setup, checkpointer: Checkpointer, step: int):
-  """The train state saved at `step`, placed with `setup`'s shardings."""
-  template = jax.tree.map(
+def state_template(setup: Setup) -> Any:
+  """The train state's abstract arrays, with `setup`'s shardings (what a
+  checkpoint restores into)."""
+  return jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       setup.abstract_state, setup.state_shardings)
-  return checkpointer.restore(step, template)
+
+
+def restore_state(setup: Setup, checkpointer: Checkpointer, step: int):
+  """The train state saved at `step`, placed with `setup`'s shardings."""
+  return checkpointer.restore(step, state_template(setup))
 
 
 def train(config: config_lib.Config, devices=None) -> dict:
@@ -421,8 +427,12 @@ def train(config: config_lib.Config, devices=None) -> dict:
 
   Writes `<run_dir>/config.json`, `<run_dir>/metrics.jsonl` (and TensorBoard
   scalars with train.tensorboard) and checkpoints under
-  `<run_dir>/checkpoints`. Ctrl-C saves a checkpoint and returns with
-  `summary['interrupted'] = True`. A run whose checkpoint already reached
+  `<run_dir>/checkpoints` (every train.checkpoint_every steps and the last
+  one). Ctrl-C or SIGTERM saves a checkpoint and returns with
+  `summary['interrupted'] = True` and `summary['signal']` the signal's
+  number. A run resumes from the newest checkpoint that restores
+  (`summary['resumed_from']`; None: a new run), dropping metrics.jsonl's
+  records of the steps it replays. A run whose checkpoint already reached
   train.steps trains nothing: `summary['complete']` is True and the losses
   and tokens/s are the last ones metrics.jsonl recorded. A run that trained
   ends with `summary['sample']`, a greedy continuation of train.sample_prompt
@@ -455,6 +465,8 @@ def _train(config: config_lib.Config, devices) -> dict:
   dataset = data_lib.load_dataset(data, setup.architecture.vocab_size,
                                   init_from=config.model.init_from)
   tokenizer = tokenizer_lib.for_data(data)
+  if lead and not t.save_checkpoints:
+    print(_NO_CHECKPOINTS_WARNING, file=sys.stderr, flush=True)
   done = checkpoints_lib.latest_step_on_disk(t.run_dir)
   mem, compile_s = None, None
   if done is None or done < t.steps:  # a finished run compiles nothing
@@ -478,12 +490,9 @@ def _train(config: config_lib.Config, devices) -> dict:
       json.dump(config_lib.to_dict(config), f, indent=2)
   learning_rate = _adamw_args(config)['learning_rate']
   checkpointer = Checkpointer(t.run_dir, config)
-  resumed_from = checkpointer.latest_step()
   with jax.set_mesh(setup.mesh):
-    if resumed_from is None:
-      state = setup.init_state()
-    else:
-      state = restore_state(setup, checkpointer, resumed_from)
+    resumed_from, state = _start_state(setup, checkpointer, lead)
+    log.drop_after(int(state['step']))
     batch_sharding = sharding.batch_sharding(setup.mesh)
     seq, bs = config.data.seq_len, t.batch_size
 
@@ -501,14 +510,15 @@ def _train(config: config_lib.Config, devices) -> dict:
         lead and t.progress_bar) or step >= t.steps, dynamic_ncols=True,
                     desc='train')
     summary = {'resumed_from': resumed_from, 'interrupted': False,
+               'signal': None,
                'complete': step >= t.steps, 'train_steps': t.steps,
                'sample': None,
                'train_loss': math.nan, 'val_loss': math.nan,
                'tokens_per_s': math.nan}
     recent, tick, tick_step = [], time.perf_counter(), step
-    ctrl_c = _CtrlC()
+    stop = _StopSignals()
     try:
-      while step < t.steps and not ctrl_c.pressed:
+      while step < t.steps and stop.signal is None:
         state, metrics = setup.train_step(state, *batch('train', step))
         step += 1
         bar.update(1)
@@ -536,26 +546,24 @@ def _train(config: config_lib.Config, devices) -> dict:
           summary['val_loss'] = val
           log.write(step, val_loss=val)
           bar.write(f'step {step}: validation loss {val:.4f}')
-        if t.checkpoint_every and (step % t.checkpoint_every == 0
-                                   or step == t.steps):
+        if _save_due(t, step):
           _save(checkpointer, step, state)
-      if ctrl_c.pressed:
+      if stop.signal is not None:
         raise KeyboardInterrupt
       if step > start_step and t.sample_tokens and tokenizer is not None:
         summary['sample'] = _sample(setup, state['params'], tokenizer, t)
-    except KeyboardInterrupt:
-      summary['interrupted'] = True
-      _save(checkpointer, int(state['step']), state, wait=True)
-      bar.write(f'interrupted: saved step {int(state["step"])} to'
-                f' {checkpointer.directory}; run the same command to resume.')
+    except KeyboardInterrupt:  # stop.signal, or a second Ctrl-C
+      summary.update(interrupted=True,
+                     signal=int(stop.signal or signal.SIGINT))
+      bar.write(_save_on_stop(checkpointer, state, summary['signal'], t))
     finally:
-      ctrl_c.restore()
+      stop.restore()
       bar.close()
       log.close()
       checkpointer.close()
   summary.update(
       step=int(state['step']), nonfinite_steps=int(state['nonfinite']),
-      train_loss=float(np.mean(recent[-3:])) if recent else math.nan,
+      train_loss=recent[-1] if recent else math.nan,
       peak_memory_bytes=_peak_memory(), run_dir=os.path.abspath(t.run_dir),
       memory=dataclasses.asdict(mem) if mem else None, compile_s=compile_s)
   if summary['complete']:
@@ -589,28 +597,79 @@ def _last_recorded(run_dir: str) -> dict:
   return out
 
 
-class _CtrlC:
-  """Turns the first Ctrl-C into a flag the loop checks between steps.
+def _start_state(setup: Setup, checkpointer: Checkpointer,
+                 lead: bool) -> tuple[int | None, Any]:
+  """(resumed_from, state): the newest checkpoint that restores (damaged
+  ones reported and set aside, `Checkpointer.restore_newest`), else a new
+  run's state (resumed_from None)."""
+  def say(text):
+    if lead:
+      print(text, flush=True)
+
+  step, state = checkpointer.restore_newest(state_template(setup),
+                                            report=say)
+  if step is None:
+    return None, setup.init_state()
+  say(f'resuming from step {step} ({checkpointer.directory}/{step})')
+  return step, state
+
+
+_NO_CHECKPOINTS_WARNING = (
+    'warning: train.save_checkpoints=false: this run saves no checkpoint,'
+    ' not even its final state or on Ctrl-C or SIGTERM; a rerun starts from'
+    ' step 0, and generate and export have nothing to read.')
+
+
+def _save_due(t: config_lib.TrainConfig, step: int) -> bool:
+  """Whether the loop saves after `step`: every train.checkpoint_every
+  steps (0: no periodic saves) and at the last step, unless
+  train.save_checkpoints is false."""
+  periodic = t.checkpoint_every > 0 and step % t.checkpoint_every == 0
+  return t.save_checkpoints and (periodic or step == t.steps)
+
+
+class _StopSignals:
+  """Turns Ctrl-C (SIGINT) and SIGTERM (how schedulers preempt a job) into
+  a flag the loop checks between steps: `signal`, the first one's number.
 
   A KeyboardInterrupt in the middle of a step could land after the state's
   buffers were donated to it, leaving nothing to save; the flag stops the
-  loop at a step boundary instead. A second Ctrl-C interrupts at once.
+  loop at a step boundary instead. A second Ctrl-C interrupts at once; a
+  repeated SIGTERM changes nothing (schedulers and process-group kills may
+  send it more than once; SIGKILL ends a run that overstays).
   """
 
   def __init__(self):
-    self.pressed = False
-    self._previous = None
+    self.signal = None
+    self._previous = {}
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGINT, self._handle)
+      for signum in (signal.SIGINT, signal.SIGTERM):
+        self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame):
-    if self.pressed:
+    if self.signal is None:
+      self.signal = signum
+    elif signum == signal.SIGINT:
       signal.default_int_handler(signum, frame)
-    self.pressed = True
 
   def restore(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+
+
+def _save_on_stop(checkpointer: Checkpointer, state: Any, signum: int,
+                  t: config_lib.TrainConfig) -> str:
+  """Saves the state of a run stopped by `signum` (unless
+  train.save_checkpoints is false) and waits; returns what to tell."""
+  step = int(state['step'])
+  what = ('interrupted' if signum == signal.SIGINT else
+          f'stopped by {signal.Signals(signum).name}')
+  if not t.save_checkpoints:
+    return (f'{what} at step {step}: nothing saved'
+            ' (train.save_checkpoints=false).')
+  _save(checkpointer, step, state, wait=True)
+  return (f'{what}: saved step {step} to {checkpointer.directory}; run the'
+          ' same command to resume.')
 
 
 def _save(checkpointer: Checkpointer, step: int, state: Any, *,
