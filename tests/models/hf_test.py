@@ -316,5 +316,6 @@ def test_config_json_variants():
       'rope_type': 'llama3', 'rope_theta': 5e5, **llama3}})
   assert v4 == v5 and v4.rope_theta == 5e5
   assert v4.rope_scaling == cm.RopeScaling(**llama3)
-  with pytest.raises(ValueError, match="rope_scaling of rope_type 'llama3' lacks 'factor'"):
+  with pytest.raises(ValueError,
+                     match="rope_scaling of rope_type 'llama3' lacks 'factor'"):
     hf.config_from_hf({**base, 'rope_scaling': {'rope_type': 'llama3'}})
