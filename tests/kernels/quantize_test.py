@@ -105,12 +105,12 @@ def test_group_bf16_input_and_scale():
 
 
 @pytest.mark.parametrize('fmt', ['e4m3', 'e5m2'])
-def test_group_e8m0_scales_are_powers_of_two_above_amax(fmt):
+def test_group_e8m0_scales_are_powers_of_two_above_amax(fmt, seed):
   """E8M0 scales: the smallest power of two >= amax / fp8_max (>= 2^-126),
   so codes never clip and dequantize exactly; 1 for all-zero groups, NaN for
   groups with NaN or Inf; the Pallas kernels (E8M0 as bytes inside) give
   the same bits."""
-  x = _data((6, 64), seed=np.random.randint(1 << 30), nonfinite=True)
+  x = _data((6, 64), seed=seed, nonfinite=True)
   fmax = float(jnp.finfo(_common.fp8_dtype(fmt)).max)
   x = x.at[3, :16].set(fmax * 2.0**-5)  # amax / fp8_max an exact power
   e8m0 = jnp.float8_e8m0fnu
@@ -141,13 +141,12 @@ def test_group_e8m0_scales_are_powers_of_two_above_amax(fmt):
                                               implementation='pallas'), deq)
 
 
-def test_group_e8m0_error_within_e4m3_and_no_expansion():
+def test_group_e8m0_error_within_e4m3_and_no_expansion(seed):
   """E8M0 against bf16 scales on normal data, and expansion (which stores M
   itself) refuses E8M0 scales. Measured: 0.0264 against 0.0223 relative
   error (a bf16 scale maps each group's max to 448 exactly, a power of two
   maps it anywhere in [224, 448])."""
-  x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
-                        (256, 1024)) * 3
+  x = jax.random.normal(jax.random.key(seed), (256, 1024)) * 3
   err = {}
   for sd in (jnp.bfloat16, jnp.float8_e8m0fnu):
     q = group_ref.quantize_per_group(x, 16, 'e4m3', scale_dtype=sd)
@@ -221,8 +220,8 @@ def test_tensor_kernel_matches_reference(shape, dtype, transpose, given,
       assert out[2] is None
 
 
-def test_tensor_kernel_fresh_inputs_differ_only_at_float32_ties(seed=None):
-  """Fresh random bf16 inputs over a wide range: the interpreted kernel
+def test_tensor_kernel_fresh_inputs_differ_only_at_float32_ties(seed):
+  """Random bf16 inputs of a random shape over a wide range: the kernel
   gives the reference's codes except at float32 ties, where x / scale or
   x * (1 / scale) lies exactly halfway between two FP8 codes. XLA:CPU
   computes the kernel's division as x * (1 / scale) and the reference's
@@ -230,7 +229,6 @@ def test_tensor_kernel_fresh_inputs_differ_only_at_float32_ties(seed=None):
   is the tie (rounded to even) and the other is not, each picks a
   different neighbour. (On the GPU both multiply by the reciprocal: the
   `gpu` tests compare bit for bit.)"""
-  seed = np.random.randint(1 << 30) if seed is None else seed
   rng = np.random.default_rng(seed)
   shape = (int(rng.integers(1, 200)), int(rng.integers(1, 300)))
   x = jnp.asarray(rng.standard_normal(shape) * np.exp(rng.uniform(
@@ -272,10 +270,10 @@ def test_tensor_special_values():
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
-def test_tensor_amax_given_back_gives_the_same_codes(implementation):
+def test_tensor_amax_given_back_gives_the_same_codes(implementation, seed):
   """tensor_amax is the amax quantize_per_tensor computes itself: passed
   back as amax=, the same scale and codes (NaN and Inf included)."""
-  for x in (_data((37, 96), seed=np.random.randint(1 << 30)),
+  for x in (_data((37, 96), seed=seed),
             _data((5, 64), seed=2, nonfinite=True), jnp.zeros((0, 16))):
     amax = tensor_api.tensor_amax(x, implementation=implementation)
     assert amax.shape == () and amax.dtype == jnp.float32
@@ -299,13 +297,12 @@ PARTS_CASES = [  # rows, part widths, dtype
 
 
 @pytest.mark.parametrize('rows,widths,dtype', PARTS_CASES)
-def test_tensor_parts_match_the_concatenation(rows, widths, dtype,
+def test_tensor_parts_match_the_concatenation(rows, widths, dtype, seed,
                                               implementation='pallas'):
   """quantize_per_tensor_parts = quantize_per_tensor of the parts side by
   side (the same kernel), bit for bit, each part quantized into its columns
   (with the amax computed, and given as the max of the parts'). The kernel
   itself against the jnp reference: test_tensor_kernel_matches_reference."""
-  seed = np.random.randint(1 << 30)
   parts = [_data((rows, w), seed=seed + i).astype(dtype)
            for i, w in enumerate(widths)]
   parts[-1] = parts[-1] * 1e3  # the scale is the last part's

@@ -23,14 +23,9 @@ from coat_jax.training.data import load_dataset
 MODES = ('bf16', 'fp8_linear', 'coat')
 
 
-def _tokens(cfg, batch, seq, key=None, period=None):
-  """Random tokens; with `period`, each row repeats a random block (a copy
-  task with learnable structure, closer to text than uniform noise)."""
-  key = jax.random.key(np.random.randint(1 << 30)) if key is None else key
-  if period is None:
-    return jax.random.randint(key, (batch, seq), 0, cfg.vocab_size)
-  block = jax.random.randint(key, (batch, period), 0, cfg.vocab_size)
-  return jnp.tile(block, (1, -(-seq // period)))[:, :seq]
+def _tokens(cfg, batch, seq, key):
+  """(batch, seq) random tokens of cfg's vocabulary."""
+  return jax.random.randint(key, (batch, seq), 0, cfg.vocab_size)
 
 
 def _grads(cfg, recipe, tokens, targets, e4m3_kernels=False):
@@ -104,10 +99,10 @@ def test_layers_unrolled_by_default(recipe):
 
 
 @pytest.mark.parametrize('recipe', MODES)
-def test_forward_and_loss(recipe):
+def test_forward_and_loss(recipe, seed):
   cfg = cm.LlamaConfig.preset('tiny')
   model = cm.Llama(cfg, recipe=recipe, rngs=nnx.Rngs(0))
-  tokens = _tokens(cfg, 2, 24)
+  tokens = _tokens(cfg, 2, 24, jax.random.key(seed))
   targets = jnp.roll(tokens, -1, axis=1).at[0, -1].set(-1)  # one ignored
   logits, loss = nnx.jit(lambda m, t, y: (m(t), cm.lm_loss(m, t, y,
                                                             chunk_size=7)))(
@@ -449,10 +444,10 @@ def test_coat_layer_saves_fp8_and_less_than_other_modes():
   assert vs_fp8 < 1
 
 
-def test_edge_shapes_batch1_odd_seq_one_kv_head():
+def test_edge_shapes_batch1_odd_seq_one_kv_head(seed):
   cfg = cm.LlamaConfig.preset('tiny', num_heads=4, num_kv_heads=1,
                               hidden_size=64)
-  tokens = _tokens(cfg, 1, 23)
+  tokens = _tokens(cfg, 1, 23, jax.random.key(seed))
   targets = jnp.roll(tokens, -1, axis=1)
   loss_bf16, g_bf16 = _grads(cfg, 'bf16', tokens, targets)
   loss_coat, g_coat = _grads(cfg, 'coat', tokens, targets)
@@ -461,9 +456,9 @@ def test_edge_shapes_batch1_odd_seq_one_kv_head():
   assert _cos(g_coat, g_bf16) >= 0.99
 
 
-def test_tiny_gradients_match_bf16():
+def test_tiny_gradients_match_bf16(seed):
   cfg = cm.LlamaConfig.preset('tiny')
-  tokens = _tokens(cfg, 2, 64)
+  tokens = _tokens(cfg, 2, 64, jax.random.key(seed))
   targets = jnp.roll(tokens, -1, axis=1)
   _, g_bf16 = _grads(cfg, 'bf16', tokens, targets)
   for recipe in ('fp8_linear', 'coat'):
@@ -479,14 +474,14 @@ def test_tiny_gradients_match_bf16():
   assert _cos(g_sep, g_bf16) >= 0.99
 
 
-def test_block_scaling_fuses_qkv_with_the_same_forward_scanned_or_not():
+def test_block_scaling_fuses_qkv_with_the_same_forward_scanned_or_not(seed):
   """scaling='block': Q/K/V fused (head widths of 128, so whole blocks)
   run the forward of the parts apart bit for bit, and only dgrad's sum
   moves the gradients; scanned layers give the unrolled numbers; all as
   close to bf16 as tensor scaling's."""
   cfg = cm.LlamaConfig.preset('tiny', hidden_size=256, num_heads=2,
                               num_kv_heads=1)
-  tokens = _tokens(cfg, 2, 64)
+  tokens = _tokens(cfg, 2, 64, jax.random.key(seed))
   targets = jnp.roll(tokens, -1, axis=1)
   _, g_bf16 = _grads(cfg, 'bf16', tokens, targets)
   loss, g = _grads(cfg, 'coat_block', tokens, targets)

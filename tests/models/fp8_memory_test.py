@@ -80,7 +80,7 @@ def _grads(cfg, tokens):
 
 
 @pytest.mark.gpu
-def test_out_projection_reuses_flash_attention_output(monkeypatch):
+def test_out_projection_reuses_flash_attention_output(monkeypatch, seed):
   """cuDNN flash attention keeps its output o for its backward; the out
   projection saves that o rather than an FP8 copy: H bytes per token less
   per layer at the backward's start, the same gradients, bit for bit (but
@@ -94,8 +94,7 @@ def test_out_projection_reuses_flash_attention_output(monkeypatch):
   k = jnp.zeros((batch, seq, cfg.num_kv_heads, cfg.head_features), jnp.bfloat16)
   assert decoder._causal_attention(q, k, k)[1]  # cuDNN takes these shapes
   temp = lambda: compiled_step.temp_bytes(cfg, 'coat', batch, seq)
-  tokens = jax.random.randint(jax.random.key(np.random.randint(1 << 30)),
-                              (batch, seq), 0, 256)
+  tokens = jax.random.randint(jax.random.key(seed), (batch, seq), 0, 256)
   reused, grads = temp(), _grads(cfg, tokens)
   attend = decoder._causal_attention
   monkeypatch.setattr(decoder, '_causal_attention',
@@ -144,7 +143,7 @@ def test_forward_barrier_only_where_xla_quantizes(pick_pallas):
 
 
 def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch,
-                                                        pick_pallas):
+                                                        pick_pallas, seed):
   """Where XLA quantizes, the norm's backward returns its gradients through
   one more barrier (`residuals.reduced_now`), so that the gain's sum over
   the tokens is taken where its terms are computed (Llama-2-7B, FSDP on 4
@@ -154,8 +153,7 @@ def test_norm_backward_barrier_only_where_xla_quantizes(monkeypatch,
   same."""
   from coat_jax.nn import norm as norm_lib  # pylint: disable=g-import-not-at-top
   graph, state = nnx.split(cnn.CoatRMSNorm(64, rngs=nnx.Rngs(0)))
-  x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
-                        (32, 64), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(seed), (32, 64), jnp.bfloat16)
 
   def grads():  # a new function each time: no cached trace
     loss = lambda s, x: jnp.sum(

@@ -1,4 +1,7 @@
-"""Hugging Face Llama checkpoints: load_hf / save_hf against transformers."""
+"""Hugging Face Llama checkpoints: load_hf / save_hf against transformers.
+
+transformers (and torch) are the oracle: the test extra installs them, and
+a machine without them fails here rather than skipping the comparison."""
 
 import json
 import os
@@ -8,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors
+import torch
+import transformers
 
 import coat_jax.models as cm
 from coat_jax.models import decoder
@@ -28,18 +34,11 @@ LLAMA3 = dict(LLAMA2, num_key_value_heads=2, rope_theta=500000.0,
                                 original_max_position_embeddings=64))
 
 
-def _torch():
-  torch = pytest.importorskip('torch')
-  transformers = pytest.importorskip('transformers')
-  return torch, transformers
-
-
-def _tokens(batch=2, seq=SEQ):
-  return np.random.randint(0, 256, (batch, seq))
+def _tokens(seed, batch=2, seq=SEQ):
+  return np.random.default_rng(seed).integers(0, 256, (batch, seq))
 
 
 def _hf_logits(model, tokens):
-  torch, _ = _torch()
   with torch.no_grad():
     return model(torch.tensor(tokens)).logits.float().numpy()
 
@@ -49,17 +48,19 @@ def _logits(model, tokens):
 
 
 @pytest.fixture(scope='module')
-def hf_dirs(tmp_path_factory):
-  """{'llama2', 'llama3'}: (dir, the float32 transformers model of it).
+def hf_dirs(tmp_path_factory, seed):
+  """{'llama2', 'llama2_float16', 'llama3'}: (dir, the float32 transformers
+  model of it).
 
-  Llama 2: MHA, untied, one float32 model.safetensors. Llama 3: GQA,
-  rope_scaling llama3, tied embeddings, bfloat16 in sharded files.
+  Llama 2: MHA, untied, one model.safetensors, float32 or float16 (how most
+  Llama 2 checkpoints ship). Llama 3: GQA, rope_scaling llama3, tied
+  embeddings, bfloat16 in sharded files.
   """
-  torch, transformers = _torch()
-  torch.manual_seed(np.random.randint(1 << 30))
+  torch.manual_seed(seed)
   out = {}
   for name, kwargs, dtype, shard in (
       ('llama2', LLAMA2, torch.float32, '5GB'),
+      ('llama2_float16', LLAMA2, torch.float16, '5GB'),
       ('llama3', LLAMA3, torch.bfloat16, '40KB')):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
     path = str(tmp_path_factory.mktemp(name))
@@ -67,15 +68,16 @@ def hf_dirs(tmp_path_factory):
     # Reloaded: .to(bfloat16) also rounded the rotary inv_freq buffer.
     out[name] = (path, transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32).eval())
-  assert os.path.isfile(os.path.join(out['llama2'][0], hf.SINGLE_FILE))
+  for name in ('llama2', 'llama2_float16'):
+    assert os.path.isfile(os.path.join(out[name][0], hf.SINGLE_FILE))
   assert os.path.isfile(os.path.join(out['llama3'][0], hf.INDEX_FILE))
   return out
 
 
-@pytest.mark.parametrize('name', ['llama2', 'llama3'])
-def test_float32_logits_equal_transformers(hf_dirs, name):
+@pytest.mark.parametrize('name', ['llama2', 'llama2_float16', 'llama3'])
+def test_float32_logits_equal_transformers(hf_dirs, name, seed):
   path, reference = hf_dirs[name]
-  tokens = _tokens()
+  tokens = _tokens(seed)
   want = _hf_logits(reference, tokens)
   model = cm.load_hf(path, 'bf16', dtype=jnp.float32)
   assert model.config.tie_embeddings == (name == 'llama3')
@@ -85,9 +87,35 @@ def test_float32_logits_equal_transformers(hf_dirs, name):
                              atol=1e-5 * np.abs(want).max())
 
 
-def test_llama3_rope_scaling_is_applied(hf_dirs):
+def test_float16_checkpoint_loads_its_values(hf_dirs):
+  """A float16 model.safetensors (transformers' save of a float16 model):
+  every param is the file's float16 value, exactly, in float32."""
+  path, reference = hf_dirs['llama2_float16']
+  with safetensors.safe_open(os.path.join(path, hf.SINGLE_FILE), 'np') as f:
+    dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+  assert dtypes == {np.dtype(np.float16)}
+  params = nnx.to_pure_dict(nnx.state(cm.load_hf(path, 'bf16'), nnx.Param))
+  want = {k: v.numpy() for k, v in reference.state_dict().items()}
+  layers = params['layers']
+  for i in range(LLAMA2['num_hidden_layers']):
+    prefix = f'model.layers.{i}.'
+    for got, name in (
+        (layers['attn']['q_proj']['kernel'][i].T, 'self_attn.q_proj.weight'),
+        (layers['attn']['v_proj']['kernel'][i].T, 'self_attn.v_proj.weight'),
+        (layers['mlp']['down_proj']['kernel'][i].T, 'mlp.down_proj.weight'),
+        (layers['mlp_norm']['scale'][i], 'post_attention_layernorm.weight')):
+      assert got.dtype == jnp.float32
+      np.testing.assert_array_equal(got, want[prefix + name], err_msg=name)
+  np.testing.assert_array_equal(params['embed'],
+                                want['model.embed_tokens.weight'])
+  np.testing.assert_array_equal(params['lm_head'], want['lm_head.weight'].T)
+  # Not all of them zero or a constant: float16 values, read as float16.
+  assert np.unique(want['lm_head.weight']).size > 1000
+
+
+def test_llama3_rope_scaling_is_applied(hf_dirs, seed):
   path, reference = hf_dirs['llama3']
-  tokens = _tokens(1)
+  tokens = _tokens(seed, 1)
   want = _hf_logits(reference, tokens)
   plain = cm.load_hf(path, 'bf16', dtype=jnp.float32, rope_scaling=None)
   # Without the scaling the far positions differ: the test above can tell.
@@ -96,9 +124,9 @@ def test_llama3_rope_scaling_is_applied(hf_dirs):
 
 
 @pytest.mark.parametrize('name', ['llama2', 'llama3'])
-def test_bf16_mode_logits_within_bf16_tolerance(hf_dirs, name):
+def test_bf16_mode_logits_within_bf16_tolerance(hf_dirs, name, seed):
   path, reference = hf_dirs[name]
-  tokens = _tokens()
+  tokens = _tokens(seed)
   want = _hf_logits(reference, tokens)
   got = _logits(cm.load_hf(path, 'bf16'), tokens)
   err = np.abs(got - want)
@@ -107,9 +135,9 @@ def test_bf16_mode_logits_within_bf16_tolerance(hf_dirs, name):
   assert np.isfinite(got).all()
 
 
-def test_coat_mode_loads_and_runs(hf_dirs):
+def test_coat_mode_loads_and_runs(hf_dirs, seed):
   path, reference = hf_dirs['llama2']
-  tokens = _tokens(1, 32)
+  tokens = _tokens(seed, 1, 32)
   want = _hf_logits(reference, tokens)
   got = _logits(cm.load_hf(path, 'coat'), tokens)
   cos = (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want)
@@ -117,8 +145,8 @@ def test_coat_mode_loads_and_runs(hf_dirs):
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-def test_save_hf_round_trips_through_transformers(hf_dirs, tmp_path, dtype):
-  torch, transformers = _torch()
+def test_save_hf_round_trips_through_transformers(hf_dirs, tmp_path, dtype,
+                                                 seed):
   path, reference = hf_dirs['llama3']
   model = cm.load_hf(path, 'bf16', dtype=jnp.float32)
   out = str(tmp_path / 'out')
@@ -128,7 +156,7 @@ def test_save_hf_round_trips_through_transformers(hf_dirs, tmp_path, dtype):
   assert os.path.isfile(os.path.join(out, hf.INDEX_FILE)) == sharded
   loaded = transformers.AutoModelForCausalLM.from_pretrained(
       out, dtype=torch.float32).eval()
-  tokens = _tokens()
+  tokens = _tokens(seed)
   want = _hf_logits(reference, tokens)
   # The checkpoint holds bf16 weights, so either save is exact.
   np.testing.assert_array_equal(_hf_logits(loaded, tokens), want)
@@ -139,12 +167,11 @@ def test_save_hf_round_trips_through_transformers(hf_dirs, tmp_path, dtype):
                nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-def test_save_then_load_untied_float32_is_exact(tmp_path):
+def test_save_then_load_untied_float32_is_exact(tmp_path, seed):
   config = cm.LlamaConfig.preset('tiny', num_kv_heads=4,
                                  rope_scaling=cm.RopeScaling(
                                      original_max_position_embeddings=64))
-  model = cm.Llama(config, recipe='bf16',
-                   rngs=nnx.Rngs(np.random.randint(1 << 30)))
+  model = cm.Llama(config, recipe='bf16', rngs=nnx.Rngs(seed))
   cm.save_hf(model, tmp_path, max_shard_size=20_000)
   cm.save_hf(model, tmp_path)  # over the sharded one: no stale shards left
   assert sorted(os.listdir(tmp_path)) == ['config.json', hf.SINGLE_FILE]
@@ -155,9 +182,9 @@ def test_save_then_load_untied_float32_is_exact(tmp_path):
                nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-def test_loads_onto_the_fsdp_sharding_of_train_py(tmp_path):
+def test_loads_onto_the_fsdp_sharding_of_train_py(tmp_path, seed):
   model = cm.Llama(cm.LlamaConfig.preset('tiny'), recipe='coat',
-                   rngs=nnx.Rngs(np.random.randint(1 << 30)))
+                   rngs=nnx.Rngs(seed))
   cm.save_hf(model, tmp_path, dtype='bfloat16', max_shard_size=30_000)
   config = config_lib.Config()
   config.model.init_from = str(tmp_path)
@@ -212,9 +239,10 @@ def _write(tmp_path, **changes):
 @pytest.mark.parametrize('changes, error', [
     (dict(model_type='gpt2'), "model_type='gpt2' is not supported"),
     (dict(rope_scaling=dict(rope_type='yarn', factor=4.0)),
-     'rope_scaling.rope_type="yarn" is not supported'),
+     'config.json: rope_scaling.rope_type="yarn" is not supported'),
     (dict(rope_parameters=dict(rope_type='dynamic', factor=2.0)),
-     'rope_parameters.rope_type="dynamic" is not supported'),
+     'config.json: rope_parameters.rope_type="dynamic" is not'
+     ' supported'),
     (dict(attention_bias=True), 'attention_bias=true is not supported'),
     (dict(mlp_bias=True), 'mlp_bias=true is not supported'),
     (dict(hidden_act='gelu'), 'hidden_act="gelu" is not supported'),
@@ -283,11 +311,11 @@ def test_rope_scaling_arguments_are_checked():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('recipe', ['bf16', 'coat'])
-def test_gpu_logits_follow_transformers(hf_dirs, recipe):
+def test_gpu_logits_follow_transformers(hf_dirs, recipe, seed):
   """On a Hopper GPU (cuDNN attention, FP8 GEMMs), against CPU torch."""
   for name in ('llama2', 'llama3'):
     path, reference = hf_dirs[name]
-    tokens = _tokens(4, 64)
+    tokens = _tokens(seed, 4, 64)
     want = _hf_logits(reference, tokens)
     got = _logits(cm.load_hf(path, recipe), tokens)
     assert np.isfinite(got).all()
@@ -316,6 +344,5 @@ def test_config_json_variants():
       'rope_type': 'llama3', 'rope_theta': 5e5, **llama3}})
   assert v4 == v5 and v4.rope_theta == 5e5
   assert v4.rope_scaling == cm.RopeScaling(**llama3)
-  with pytest.raises(ValueError,
-                     match="rope_scaling of rope_type 'llama3' lacks 'factor'"):
+  with pytest.raises(ValueError, match="rope_type 'llama3' lacks 'factor'"):
     hf.config_from_hf({**base, 'rope_scaling': {'rope_type': 'llama3'}})

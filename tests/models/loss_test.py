@@ -24,8 +24,8 @@ def _reference(hidden, head, targets):
   return -jnp.sum(jnp.where(targets >= 0, picked, 0.0))
 
 
-def _inputs(batch, seq, width, vocab):
-  k1, k2, k3 = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 3)
+def _inputs(seed, batch, seq, width, vocab):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   hidden = jax.random.normal(k1, (batch, seq, width), jnp.bfloat16)
   head = 0.2 * jax.random.normal(k2, (width, vocab), jnp.float32)
   targets = jax.random.randint(k3, (batch, seq), 0, vocab)
@@ -33,8 +33,8 @@ def _inputs(batch, seq, width, vocab):
 
 
 @pytest.mark.parametrize('chunk_size', (7, 16, 1024))
-def test_loss_and_gradients_match_full_softmax(chunk_size):
-  hidden, head, targets = _inputs(2, 13, 32, 300)
+def test_loss_and_gradients_match_full_softmax(chunk_size, seed):
+  hidden, head, targets = _inputs(seed, 2, 13, 32, 300)
   loss_fn = lambda h, w: chunked_cross_entropy(
       h, w, targets, chunk_size=chunk_size)[0]
   (loss, count) = chunked_cross_entropy(hidden, head, targets,
@@ -63,8 +63,8 @@ def test_loss_and_gradients_match_full_softmax(chunk_size):
   np.testing.assert_array_equal(dh[ignored], 0.0)
 
 
-def test_all_targets_ignored():
-  hidden, head, _ = _inputs(1, 5, 16, 40)
+def test_all_targets_ignored(seed):
+  hidden, head, _ = _inputs(seed, 1, 5, 16, 40)
   targets = jnp.full((1, 5), -1)
   loss, count = chunked_cross_entropy(hidden, head, targets, chunk_size=2)
   assert float(loss) == 0.0 and float(count) == 0.0
@@ -86,8 +86,8 @@ def _dot_input_dtypes(jaxpr):
   return found
 
 
-def test_backward_gemms_run_in_bf16():
-  hidden, head, targets = _inputs(2, 8, 16, 64)
+def test_backward_gemms_run_in_bf16(seed):
+  hidden, head, targets = _inputs(seed, 2, 8, 16, 64)
   grad_fn = jax.grad(
       lambda h, w: chunked_cross_entropy(h, w, targets, chunk_size=4)[0],
       argnums=(0, 1))
@@ -97,10 +97,10 @@ def test_backward_gemms_run_in_bf16():
   assert all(d == jnp.bfloat16 for pair in dots for d in pair), dots
 
 
-def test_gradients_scale_with_the_cotangent():
+def test_gradients_scale_with_the_cotangent(seed):
   # The gradients are computed in forward for a cotangent of 1; backward
   # scales them (lm_loss divides by the count, a loss scale multiplies).
-  hidden, head, targets = _inputs(2, 9, 16, 48)
+  hidden, head, targets = _inputs(seed, 2, 9, 16, 48)
   loss_fn = lambda h, w, c: c * chunked_cross_entropy(
       h, w, targets, chunk_size=4)[0]
   g1 = jax.grad(loss_fn, argnums=(0, 1))(hidden, head, 1.0)
@@ -116,8 +116,8 @@ def test_gradients_scale_with_the_cotangent():
   np.testing.assert_array_equal(g_count, 0.0)
 
 
-def test_a_bf16_head_gets_a_bf16_gradient_rounded_once():
-  hidden, head, targets = _inputs(2, 9, 16, 48)
+def test_a_bf16_head_gets_a_bf16_gradient_rounded_once(seed):
+  hidden, head, targets = _inputs(seed, 2, 9, 16, 48)
   head16 = head.astype(jnp.bfloat16)
   loss_fn = lambda w: chunked_cross_entropy(hidden, w, targets,
                                             chunk_size=4)[0] / 17.0
@@ -132,7 +132,7 @@ def test_a_bf16_head_gets_a_bf16_gradient_rounded_once():
 
 @pytest.mark.parametrize('chunk_size', [16, 24])  # 24: each device pads
 @pytest.mark.parametrize('shape', [(1, 8, 1), (2, 4, 1), (8, 1, 1)])
-def test_batch_sharded_tokens_stay_on_their_devices(shape, chunk_size):
+def test_batch_sharded_tokens_stay_on_their_devices(shape, chunk_size, seed):
   """Under an FSDP or data-parallel mesh each device runs the chunk loop on
   its own tokens (`jax.shard_map`) with the head gathered whole: the loss,
   dh and dw are one device's up to rounding (GEMM shapes, the order of the
@@ -140,7 +140,7 @@ def test_batch_sharded_tokens_stay_on_their_devices(shape, chunk_size):
   step's only all-reduce follows it. Left to the partitioner, XLA sharded
   the chunks along H and all-reduced each chunk's float32 logits (FSDP) or
   gathered the whole batch on every device (data parallel)."""
-  hidden, head, targets = _inputs(8, 64, 32, 300)
+  hidden, head, targets = _inputs(seed, 8, 64, 32, 300)
   grad = jax.jit(jax.value_and_grad(
       lambda h, w, t: chunked_cross_entropy(h, w, t,
                                             chunk_size=chunk_size)[0],

@@ -17,10 +17,6 @@ from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.quantize_blockwise import reference as block_reference
 
 
-def _key():
-  return jax.random.key(np.random.randint(1 << 30))
-
-
 def _exact(key, shape, fmt, exponent):
   """Array whose per-tensor quantization in `fmt` is exact: FP8 codes with
   max |code| = fp8_max, times 2**exponent."""
@@ -54,8 +50,8 @@ def _fwd_bwd(x, w, dy):
   return (y, *vjp(dy)), (y_ref, *vjp_ref(dy.astype(jnp.float32)))
 
 
-def test_exact_on_fp8_representable_inputs():
-  k = jax.random.split(_key(), 3)
+def test_exact_on_fp8_representable_inputs(seed):
+  k = jax.random.split(jax.random.key(seed), 3)
   x = _exact(k[0], (3, 32, 128), 'e4m3', -6).astype(jnp.bfloat16)
   w = _exact(k[1], (128, 64), 'e4m3', -10)
   dy = _exact(k[2], (3, 32, 64), 'e5m2', -14).astype(jnp.bfloat16)
@@ -72,8 +68,8 @@ def test_exact_on_fp8_representable_inputs():
 
 
 @pytest.mark.parametrize('shape', [(4, 37, 128), (1, 1, 128), (23, 128)])
-def test_random_inputs_within_fp8_error(shape):
-  k = jax.random.split(_key(), 3)
+def test_random_inputs_within_fp8_error(shape, seed):
+  k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], shape, jnp.bfloat16)
   w = jax.random.normal(k[1], (128, 96)) * 0.05
   dy = jax.random.normal(k[2], shape[:-1] + (96,), jnp.bfloat16)
@@ -84,8 +80,8 @@ def test_random_inputs_within_fp8_error(shape):
   assert _rel(dw, dw_ref) < 0.09
 
 
-def test_fanout_shares_the_input_and_sums_dgrad():
-  k = jax.random.split(_key(), 4)
+def test_fanout_shares_the_input_and_sums_dgrad(seed):
+  k = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.normal(k[0], (2, 16, 64), jnp.bfloat16)
   w1 = jax.random.normal(k[1], (64, 32)) * 0.1
   w2 = jax.random.normal(k[2], (64, 48)) * 0.1
@@ -108,11 +104,11 @@ def test_fanout_shares_the_input_and_sums_dgrad():
 
 
 @pytest.mark.parametrize('reuse_input', [False, True])
-def test_fused_is_one_concatenated_kernel_bit_for_bit(reuse_input):
+def test_fused_is_one_concatenated_kernel_bit_for_bit(reuse_input, seed):
   """fused=True runs the kernels as one (K, sum N_i) projection: the same
   bits as fp8_dense with the concatenated kernel (one weight scale, one
   gradient scale, one GEMM each way), its outputs and wgrad split."""
-  k = jax.random.split(_key(), 6)
+  k = jax.random.split(jax.random.key(seed), 6)
   x = jax.random.normal(k[0], (2, 40, 64), jnp.bfloat16) * 3
   # Magnitudes apart, so that per-kernel scales would give other codes.
   ws = [jax.random.normal(k[1], (64, 32)),
@@ -161,8 +157,8 @@ def test_fused_is_one_concatenated_kernel_bit_for_bit(reuse_input):
       ((64, 48), 'float8_e4m3fn'), ((), 'float32')]
 
 
-def test_fused_needs_one_dtype_with_tensor_scaling():
-  x = jax.random.normal(_key(), (2, 16, 64), jnp.bfloat16)
+def test_fused_needs_one_dtype_with_tensor_scaling(seed):
+  x = jax.random.normal(jax.random.key(seed), (2, 16, 64), jnp.bfloat16)
   w1, w2 = jnp.ones((64, 32)), jnp.ones((64, 16), jnp.bfloat16)
   with pytest.raises(ValueError, match='fused=True needs kernels of one'):
     cnn.fp8_dense(x, [w1, w2], fused=True)
@@ -181,12 +177,12 @@ def _count_gemms(monkeypatch):
 
 
 def test_block_fused_is_one_gemm_each_way_with_the_parts_own_codes(
-    monkeypatch):
+    monkeypatch, seed):
   """With 'block' scaling a fused projection keeps each part's tiles and
   blocks: the same outputs and weight gradients as the parts apart, bit for
   bit, and dx (summed in float32 inside one GEMM rather than in bf16 across
   three) as close to float32; one GEMM each way instead of one per part."""
-  k = jax.random.split(_key(), 5)
+  k = jax.random.split(jax.random.key(seed), 5)
   x = jax.random.normal(k[0], (2, 40, 256), jnp.bfloat16)
   x = x.at[1, 3, 200].set(90.0)  # an outlier in one tile
   # Parts of other magnitudes (other block scales); widths as Q/K/V's.
@@ -231,13 +227,13 @@ def test_block_fused_is_one_gemm_each_way_with_the_parts_own_codes(
 
 
 @pytest.mark.parametrize('recipe', ['bf16', 'coat', 'coat_block'])
-def test_residual_joins_the_output_and_takes_its_gradient(recipe):
+def test_residual_joins_the_output_and_takes_its_gradient(recipe, seed):
   """residual + x @ w (a skip connection): the output plus the residual,
   rounded once ('block': in the GEMM, so within one bf16 step of the
   separately rounded sum; elsewhere XLA's add, the same bits); the
   residual's gradient is the output's, and x and w get the same gradients
   as without it."""
-  k = jax.random.split(_key(), 4)
+  k = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.normal(k[0], (2, 40, 128), jnp.bfloat16)
   w = jax.random.normal(k[1], (128, 256)) * 0.1
   r = jax.random.normal(k[2], (2, 40, 256), jnp.bfloat16) * 4
@@ -267,13 +263,13 @@ def test_residual_joins_the_output_and_takes_its_gradient(recipe):
 
 
 @pytest.mark.parametrize('shape', [(2, 40, 128), (37, 128)])
-def test_grad_amax_slot_takes_max_abs_g_from_its_cotangent(shape):
+def test_grad_amax_slot_takes_max_abs_g_from_its_cotangent(shape, seed):
   """grad_amax_slot: the same output and a float32 zero, the slot; backward
   quantizes the output gradient g with the slot's cotangent as max |g|.
   Given max |g| (what the FP8 norm's backward or `fill_grad_amax_slot`
   returns), the gradients are those without a slot, bit for bit; given
   another value, they change (it is read). 37 tokens: padded to 48."""
-  k = jax.random.split(_key(), 4)
+  k = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.normal(k[0], shape, jnp.bfloat16)
   w = jax.random.normal(k[1], (128, 256)) * 0.1
   r = jax.random.normal(k[2], shape[:-1] + (256,), jnp.bfloat16)
@@ -337,8 +333,8 @@ def test_residual_errors_name_the_argument():
               residual=jnp.ones((16, 128), jnp.bfloat16))
 
 
-def test_saves_only_fp8_codes_and_scales():
-  x = jax.random.normal(_key(), (2, 40, 64), jnp.bfloat16)
+def test_saves_only_fp8_codes_and_scales(seed):
+  x = jax.random.normal(jax.random.key(seed), (2, 40, 64), jnp.bfloat16)
   w = jnp.ones((64, 32))
   res = cnn.saved_residuals(_fp8, x, w)
   # The input is saved transposed (K, M): the K-major operand of wgrad; the
@@ -359,15 +355,16 @@ def test_nan_input_gives_nan_output():
 
 
 @pytest.mark.parametrize('precision', ['bf16', 'fp8_linear', 'coat'])
-def test_module_mirrors_nnx_linear(precision):
+def test_module_mirrors_nnx_linear(precision, seed):
   layer = cnn.CoatLinear(64, 32, recipe=precision, rngs=nnx.Rngs(0))
   ref = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
   assert layer.kernel.shape == (64, 32) and layer.kernel.dtype == jnp.float32
   assert layer.bias.shape == (32,)
   np.testing.assert_array_equal(layer.kernel[...], ref.kernel[...])
-  layer.bias[...] = jax.random.normal(_key(), (32,))
+  k = jax.random.split(jax.random.key(seed))
+  layer.bias[...] = jax.random.normal(k[0], (32,))
   ref.bias[...] = layer.bias[...]
-  x = jax.random.normal(_key(), (5, 64), jnp.bfloat16)
+  x = jax.random.normal(k[1], (5, 64), jnp.bfloat16)
   y = nnx.jit(lambda m, x: m(x))(layer, x)
   assert y.dtype == jnp.bfloat16 and y.shape == (5, 32)
   assert _rel(y, ref(x.astype(jnp.float32))) < 0.06
@@ -404,11 +401,11 @@ def _block(x, w):
   return cnn.fp8_dense(x, [w], scaling='block')[0]
 
 
-def test_block_is_the_composition_of_its_quantizers_and_gemms():
+def test_block_is_the_composition_of_its_quantizers_and_gemms(seed):
   """Forward, dgrad and wgrad equal fp8_matmul on the reference quantizers'
   tiles and blocks, bit for bit (the layouts and scales are wired right),
   tokens padded to 128."""
-  k = jax.random.split(_key(), 3)
+  k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], (3, 50, 256), jnp.bfloat16)
   w = jax.random.normal(k[1], (256, 160)) * 0.05
   dy = jax.random.normal(k[2], (3, 50, 160), jnp.bfloat16)
@@ -436,8 +433,8 @@ def test_block_is_the_composition_of_its_quantizers_and_gemms():
 
 
 @pytest.mark.parametrize('shape', [(4, 37, 128), (1, 1, 128), (23, 256)])
-def test_block_vs_tensor_vs_bf16_against_float32(shape):
-  k = jax.random.split(_key(), 3)
+def test_block_vs_tensor_vs_bf16_against_float32(shape, seed):
+  k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], shape, jnp.bfloat16)
   w = jax.random.normal(k[1], (shape[-1], 96)) * 0.05
   dy = jax.random.normal(k[2], shape[:-1] + (96,), jnp.bfloat16)
@@ -463,8 +460,8 @@ def test_block_vs_tensor_vs_bf16_against_float32(shape):
       assert errs['bf16'][i] < errs['block'][i]
 
 
-def test_block_fanout_saves_only_fp8_and_scales():
-  k = jax.random.split(_key(), 3)
+def test_block_fanout_saves_only_fp8_and_scales(seed):
+  k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], (2, 40, 64), jnp.bfloat16)
   w1 = jax.random.normal(k[1], (64, 32)) * 0.1
   w2 = jax.random.normal(k[2], (64, 48)) * 0.1
@@ -487,11 +484,11 @@ def test_block_fanout_saves_only_fp8_and_scales():
 
 
 @pytest.mark.parametrize('scaling', ['tensor', 'block'])
-def test_reuse_input_saves_x_and_gives_the_same_bits(scaling):
+def test_reuse_input_saves_x_and_gives_the_same_bits(scaling, seed):
   """reuse_input saves x itself (no FP8 copy) and quantizes x^T again in
   backward: the same outputs and dgrads bit for bit, the same wgrads up to
   float32 summation order."""
-  k = jax.random.split(_key(), 4)
+  k = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.normal(k[0], (2, 40, 64), jnp.bfloat16) * 3
   x = x.at[1, 7, 9].set(200.0)  # an outlier sets the scale
   ws = [jax.random.normal(k[1], (64, 32)) * 0.1,
@@ -531,9 +528,10 @@ def test_reuse_input_saves_x_and_gives_the_same_bits(scaling):
           ((64, 48), 'float8_e4m3fn'), w_scale]
 
 
-def test_reuse_input_is_ignored_where_tokens_are_padded():
-  x = jax.random.normal(_key(), (3, 5, 64), jnp.bfloat16)  # 15 tokens
-  w = jax.random.normal(_key(), (64, 32)) * 0.1
+def test_reuse_input_is_ignored_where_tokens_are_padded(seed):
+  k = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(k[0], (3, 5, 64), jnp.bfloat16)  # 15 tokens
+  w = jax.random.normal(k[1], (64, 32)) * 0.1
   saved = lambda reuse: cnn.saved_residuals(
       lambda x, w: cnn.fp8_dense(x, [w], reuse_input=reuse), x, w)
   assert saved(True) == saved(False)
@@ -548,9 +546,9 @@ def test_block_nan_stays_in_its_token():
   assert np.isfinite(np.delete(y, 3, axis=0)).all()
 
 
-def test_block_module_and_errors():
+def test_block_module_and_errors(seed):
   layer = cnn.CoatLinear(128, 64, recipe='coat_block', rngs=nnx.Rngs(0))
-  x = jax.random.normal(_key(), (2, 5, 128), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(seed), (2, 5, 128), jnp.bfloat16)
   y = nnx.jit(lambda m, v: m(v))(layer, x)
   want = cnn.fp8_dense(x, [layer.kernel[...]], scaling='block')[0]
   np.testing.assert_array_equal(np.asarray(y, np.float32),
@@ -567,11 +565,11 @@ def test_block_module_and_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('widths', [(5632,), (2048, 256, 256)])
-def test_gpu_block_layer_default_path_matches_xla(widths):
+def test_gpu_block_layer_default_path_matches_xla(widths, seed):
   """On one Hopper GPU the block layer's default path (Pallas quantizers,
   the Mosaic block GEMM when present) against the all-XLA path: one kernel,
   and Q/K/V of the 1b model as one fused projection."""
-  k = jax.random.split(_key(), 2 + len(widths))
+  k = jax.random.split(jax.random.key(seed), 2 + len(widths))
   x = jax.random.normal(k[0], (8, 512, 2048), jnp.bfloat16)
   ws = [jax.random.normal(kw, (2048, n)) * 0.02
         for kw, n in zip(k[2:], widths)]
@@ -619,10 +617,10 @@ def test_weight_grads_summed_across_devices_leave_their_gemm_in_bf16():
 
 
 @pytest.mark.parametrize('scaling', ['tensor', 'block'])
-def test_grad_dtype_e4m3_quantizes_gradients_more_finely(scaling):
+def test_grad_dtype_e4m3_quantizes_gradients_more_finely(scaling, seed):
   """grad_dtype='e4m3' (one more mantissa bit than E5M2) takes the output
   gradients to E4M3: dx and dw land closer to float32's on Gaussian data."""
-  k = jax.random.split(_key(), 3)
+  k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], (4, 64, 256), jnp.bfloat16)
   w = jax.random.normal(k[1], (256, 128)) * 0.05
   dy = jax.random.normal(k[2], (4, 64, 128), jnp.bfloat16)

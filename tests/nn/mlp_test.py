@@ -9,10 +9,6 @@ import pytest
 import coat_jax.nn as cnn
 
 
-def _key():
-  return jax.random.key(np.random.randint(1 << 30))
-
-
 def _group_exact(key, shape, exponent=-7):
   codes = jnp.clip(jax.random.normal(key, shape) * 100, -448, 448)
   codes = codes.astype(jnp.float8_e4m3fn).astype(jnp.float32)
@@ -39,8 +35,8 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def test_swiglu_exact_on_group_representable_inputs():
-  k = jax.random.split(_key(), 3)
+def test_swiglu_exact_on_group_representable_inputs(seed):
+  k = jax.random.split(jax.random.key(seed), 3)
   gate = _group_exact(k[0], (2, 24, 176))
   up = _group_exact(k[1], (2, 24, 176))
   dh = jax.random.normal(k[2], (2, 24, 176), jnp.bfloat16)
@@ -51,8 +47,8 @@ def test_swiglu_exact_on_group_representable_inputs():
                                atol=1e-6 * np.abs(b).max())
 
 
-def test_swiglu_random_within_fp8_error():
-  k = jax.random.split(_key(), 3)
+def test_swiglu_random_within_fp8_error(seed):
+  k = jax.random.split(jax.random.key(seed), 3)
   gate = (2 * jax.random.normal(k[0], (3, 37, 64))).astype(jnp.bfloat16)
   up = jax.random.normal(k[1], (3, 37, 64), jnp.bfloat16)
   dh = jax.random.normal(k[2], (3, 37, 64), jnp.bfloat16)
@@ -82,8 +78,8 @@ def _mlp_grads(precision, params_from, x, dy):
   return state, graph, run(state, x)
 
 
-def test_mlp_modes_agree_and_coat_saves_only_fp8():
-  k = jax.random.split(_key(), 2)
+def test_mlp_modes_agree_and_coat_saves_only_fp8(seed):
+  k = jax.random.split(jax.random.key(seed), 2)
   x = jax.random.normal(k[0], (2, 20, 64), jnp.bfloat16)
   dy = jax.random.normal(k[1], (2, 20, 64), jnp.bfloat16)
   state, _, (y_ref, (ds_ref, dx_ref)) = _mlp_grads('bf16', None, x, dy)
@@ -98,12 +94,12 @@ def test_mlp_modes_agree_and_coat_saves_only_fp8():
   assert {str(r.dtype) for r in big} == {'float8_e4m3fn'}, res
 
 
-def test_coat_mlp_one_rule_matches_the_layers_composed():
+def test_coat_mlp_one_rule_matches_the_layers_composed(seed):
   """CoatMLP in 'coat' mode runs gate/up and SwiGLU as one custom_vjp
   (`fp8_gate_up_swiglu`), whose backward hands SwiGLU's max |dgate| and max
   |dup| to their quantizers: the bits of fp8_dense + fp8_swiglu + fp8_dense
   composed, which compute those maxima apart (tokens padded: 42 rows)."""
-  k = jax.random.split(_key(), 2)
+  k = jax.random.split(jax.random.key(seed), 2)
   x = jax.random.normal(k[0], (2, 21, 64), jnp.bfloat16)
   dy = jax.random.normal(k[1], (2, 21, 64), jnp.bfloat16)
   graph, state = nnx.split(

@@ -12,10 +12,6 @@ from coat_jax.nn import residuals
 from pallas_kernels.rms_norm_fp8 import reference as norm_reference
 
 
-def _key():
-  return jax.random.key(np.random.randint(1 << 30))
-
-
 def _group_exact(key, shape, exponent=-6):
   """bf16 array whose E4M3 1x16 quantization (bf16 scales) is exact."""
   codes = jnp.clip(jax.random.normal(key, shape) * 100, -448, 448)
@@ -44,8 +40,8 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def test_exact_on_group_representable_input():
-  k = jax.random.split(_key(), 3)
+def test_exact_on_group_representable_input(seed):
+  k = jax.random.split(jax.random.key(seed), 3)
   x = _group_exact(k[0], (3, 24, 128))
   scale = 1 + 0.1 * jax.random.normal(k[1], (128,))
   g = jax.random.normal(k[2], (3, 24, 128), jnp.bfloat16)
@@ -59,8 +55,8 @@ def test_exact_on_group_representable_input():
                              atol=1e-5 * np.abs(ds_ref).max())
 
 
-def test_random_input_within_fp8_error():
-  k = jax.random.split(_key(), 3)
+def test_random_input_within_fp8_error(seed):
+  k = jax.random.split(jax.random.key(seed), 3)
   x = (3 * jax.random.normal(k[0], (2, 37, 256))).astype(jnp.bfloat16)
   scale = 1 + 0.1 * jax.random.normal(k[1], (256,))
   g = jax.random.normal(k[2], (2, 37, 256), jnp.bfloat16)
@@ -91,13 +87,13 @@ def test_nan_propagates_to_dx():
   assert np.isnan(np.asarray(dx[1], np.float32)).all()
 
 
-def _with_input_case(implementation, pick_pallas):
+def _with_input_case(implementation, pick_pallas, seed):
   """(x, scale, g_x, g_y) of a pre-norm block's norm, with the kernels
   picked if `implementation` is 'pallas' (as on one Hopper GPU;
   interpreted here)."""
   if implementation == 'pallas':
     pick_pallas()
-  k = jax.random.split(_key(), 4)
+  k = jax.random.split(jax.random.key(seed), 4)
   x = (3 * jax.random.normal(k[0], (2, 37, 256))).astype(jnp.bfloat16)
   scale = 1 + 0.1 * jax.random.normal(k[1], (256,))
   g_x = jax.random.normal(k[2], x.shape, jnp.bfloat16)
@@ -107,11 +103,11 @@ def _with_input_case(implementation, pick_pallas):
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
 def test_with_input_adds_the_residual_gradient_before_rounding(
-    implementation, pick_pallas):
+    implementation, pick_pallas, seed):
   """(x, norm(x)) with the residual stream's gradient added inside the
   norm's backward pass: the values of x, fp8_rms_norm(x); dscale the same;
   dx the separate sum's to one rounding, and closer to float32."""
-  x, scale, g_x, g_y = _with_input_case(implementation, pick_pallas)
+  x, scale, g_x, g_y = _with_input_case(implementation, pick_pallas, seed)
 
   def grads(fn, x, scale):
     out, vjp = jax.vjp(fn, x, scale)
@@ -147,7 +143,8 @@ def test_with_input_adds_the_residual_gradient_before_rounding(
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
-def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, pick_pallas):
+def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, pick_pallas,
+                                               seed):
   """The slot's cotangent is max |dx| of the dx returned (the residual
   stream's gradient included), NaN if dx holds NaN; dx is the one without
   a slot. Here the jnp reference, or the kernel interpreted, runs as XLA
@@ -156,7 +153,7 @@ def test_grad_amax_slot_cotangent_is_max_abs_dx(implementation, pick_pallas):
   before rounding dx to bfloat16 (xla_allow_excess_precision: within half
   a step); the compiled kernel's max is exact
   (tests/kernels/rms_norm_fp8_test.py)."""
-  x, scale, g_x, g_y = _with_input_case(implementation, pick_pallas)
+  x, scale, g_x, g_y = _with_input_case(implementation, pick_pallas, seed)
   slot = jnp.zeros((), jnp.float32)
   cases = [
       (lambda x, s: norm_lib.fp8_rms_norm_with_input(x, scale,
@@ -195,9 +192,9 @@ def test_grad_amax_slot_errors_name_the_setting():
 
 
 @pytest.mark.parametrize('precision', ['bf16', 'coat'])
-def test_with_input_module(precision):
+def test_with_input_module(precision, seed):
   norm = cnn.CoatRMSNorm(64, recipe=precision, rngs=nnx.Rngs(0))
-  x = jax.random.normal(_key(), (3, 5, 64), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(seed), (3, 5, 64), jnp.bfloat16)
   x_out, y, y_amax = nnx.jit(lambda m, x: m.with_input(x))(norm, x)
   np.testing.assert_array_equal(x_out, x)
   np.testing.assert_array_equal(y, nnx.jit(lambda m, x: m(x))(norm, x))
@@ -210,12 +207,12 @@ def test_with_input_module(precision):
 
 
 @pytest.mark.parametrize('precision', ['bf16', 'coat'])
-def test_module(precision):
+def test_module(precision, seed):
   norm = cnn.CoatRMSNorm(64, recipe=precision, scale_axes=('norm',),
                          rngs=nnx.Rngs(0))
   assert norm.scale.shape == (64,) and norm.scale.dtype == jnp.float32
   assert norm.scale.get_metadata()['out_sharding'] == ('norm',)
-  x = jax.random.normal(_key(), (3, 5, 64), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(seed), (3, 5, 64), jnp.bfloat16)
   y = nnx.jit(lambda m, x: m(x))(norm, x)
   assert y.dtype == jnp.bfloat16
   assert _rel(y, _ref(x, 1.0)) < 2**-7

@@ -43,8 +43,9 @@ def _train(tx, steps=60):
 
 
 def _state_bytes_per_param(state, params):
+  """Bytes per param of `state`'s param-sized leaves (not its scalars)."""
   n = sum(p.size for p in jax.tree.leaves(params))
-  return sum(x.nbytes for x in jax.tree.leaves(state)) / n
+  return sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim) / n
 
 
 INNERS = {
@@ -52,7 +53,7 @@ INNERS = {
     'lion': lambda: optax.lion(1e-3, weight_decay=0.01),
     'adamw': lambda: optax.adamw(3e-3, weight_decay=0.01),
 }
-# Float32 state bytes per param: one moment (4) or two (8), plus a count.
+# Moments per param: float32 state bytes per param 4 or 8 (and a count).
 STATES = {'sgd_momentum': 1, 'lion': 1, 'adamw': 2}
 
 
@@ -70,11 +71,58 @@ def test_trains_like_the_float32_optimizer(name):
   # Within 10% of the float32 optimizer's loss reduction.
   assert abs(ours - ref) <= 0.1 * (start - ref)
   # 1 byte per element, 4 + 4 bytes (scale, exponent) per 128 (every last
-  # axis here is a multiple of 128: no partial groups).
-  assert fp8_bytes <= STATES[name] * 1.0625 + 1e-3
-  assert fp32_bytes >= STATES[name] * 4
+  # axis here is a multiple of 128: no partial groups), per moment.
+  assert fp8_bytes == STATES[name] * 1.0625
+  assert fp32_bytes == STATES[name] * 4
   mirrored = jax.tree.leaves(state, is_leaf=_IS_Q)
   assert sum(map(_IS_Q, mirrored)) == 3 * STATES[name]
+
+
+def _dequantized(state):
+  """`state` with each FP8 leaf (a QuantizedArray) dequantized to float32."""
+  return jax.tree.map(lambda x: quant.dequantize(x) if _IS_Q(x) else x,
+                      state, is_leaf=_IS_Q)
+
+
+@pytest.mark.parametrize('name, dtype', [
+    ('sgd_momentum', 'e4m3'), ('lion', 'e4m3'), ('adamw', 'e4m3'),
+    ('adamw', 'e5m2')])
+def test_each_step_is_the_inner_step_on_the_dequantized_state(name, dtype):
+  """The oracle, step after step: the inner optimizer in float32 on the
+  dequantized state gives the update, bit for bit, and its new state
+  quantized (group_size, dtype, expansion as fp8_states') is the new state,
+  code for code. The reference runs on its own: it never reads the state
+  fp8_states returns."""
+  params, loss = _problem()
+  inner = INNERS[name]()
+  tx = coat_jax.fp8_states(INNERS[name](), group_size=64, dtype=dtype)
+  state = tx.init(params)
+  quantize = lambda x: quant.quantize_per_group(x, 64, dtype, expansion=True)
+  requantize = lambda tree: jax.tree.map(
+      lambda x, like: quantize(x) if _IS_Q(like) else x, tree,
+      jax.eval_shape(tx.init, params), is_leaf=_IS_Q)
+  ref_state = requantize(inner.init(params))
+  for step in range(4):
+    grads = jax.grad(loss)(params)
+    want, ref_float = inner.update(grads, _dequantized(ref_state), params)
+    ref_state = requantize(ref_float)
+    updates, state = tx.update(grads, state, params)
+    for path, got, w in zip(jax.tree_util.tree_flatten_with_path(want)[0],
+                            jax.tree.leaves(updates), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(got, w, err_msg=f'step {step} {path}')
+    got_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    assert len(got_leaves) == len(jax.tree.leaves(ref_state))
+    for (path, got), w in zip(got_leaves, jax.tree.leaves(ref_state)):
+      assert got.dtype == w.dtype, (step, path)
+      np.testing.assert_array_equal(
+          np.asarray(got, np.float32), np.asarray(w, np.float32),
+          err_msg=f'step {step} {jax.tree_util.keystr(path)}')
+    params = optax.apply_updates(params, updates)
+  # The momentum moved: zero states would pass the comparison above only
+  # if the reference froze them too.
+  moments = [q for q in jax.tree.leaves(state, is_leaf=_IS_Q) if _IS_Q(q)]
+  assert all(np.abs(np.asarray(quant.dequantize(q))).max() > 0
+             for q in moments)
 
 
 def test_counts_stay_and_moments_are_fp8():

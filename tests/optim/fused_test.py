@@ -108,7 +108,7 @@ def test_apply_if_false_skips_the_step(implementation):
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
-def test_per_layer_gradients_step_like_the_stacked_one(implementation):
+def test_per_layer_gradients_step_like_the_stacked_one(implementation, seed):
   """A stacked leaf (L, ...) given a tuple of its L layers' gradients takes
   the stacked step: the Pallas kernel layer by layer in place, XLA's version
   on the gradients stacked first (stepping one layer at a time there
@@ -116,8 +116,7 @@ def test_per_layer_gradients_step_like_the_stacked_one(implementation):
   GiB per device at 1b under data parallelism)."""
   kw = dict(learning_rate=1e-2, weight_decay=0.1)
   apply = coat_jax.optim.fused_coat_adamw(**kw, implementation=implementation)
-  params = {'w': jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
-                                   (3, 16, 256)) * 0.1}
+  params = {'w': jax.random.normal(jax.random.key(seed), (3, 16, 256)) * 0.1}
   state = coat_jax.coat_adamw(**kw).init(params)
   g = _grads(params, 0)
   per_layer = {'w': tuple(g['w'])}
@@ -155,7 +154,7 @@ def test_xla_steps_one_leaf_after_another(implementation):
                                   np.asarray(b, np.float32))
 
 
-def test_specs_step_each_devices_shard_as_the_whole_arrays():
+def test_specs_step_each_devices_shard_as_the_whole_arrays(seed):
   """With the params' specs under a mesh of several devices, each leaf whose
   shards keep the moments' groups whole takes the Pallas step inside
   shard_map, per device (what several GPUs run): elementwise within a group,
@@ -170,7 +169,7 @@ def test_specs_step_each_devices_shard_as_the_whole_arrays():
 
   from coat_jax.training import sharding  # noqa: PLC0415
   mesh = sharding.make_mesh((2, 4, 1))
-  keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 6)
+  keys = jax.random.split(jax.random.key(seed), 6)
   params = {'rows': jax.random.normal(keys[0], (16, 512)),
             'cols': jax.random.normal(keys[1], (4, 1024)),
             'split_groups': jax.random.normal(keys[2], (16, 384)),

@@ -65,8 +65,9 @@ def test_old_trees_keep_their_structure():
   leaves, treedef = jax.tree_util.tree_flatten_with_path(q)
   assert [jax.tree_util.keystr(p) for p, _ in leaves] == ['.values', '.scale']
   assert q.block is None
-  assert jax.tree.unflatten(jax.tree.structure(q), [v for _, v in leaves]) == q
-  assert treedef is not None
+  again = jax.tree.unflatten(treedef, [v for _, v in leaves])
+  assert (again.group_size, again.block, again.exponent) == (16, None, None)
+  assert again.values is q.values and again.scale is q.scale
 
 
 @pytest.mark.parametrize('block,spec', [((1, 128), ('x', None)),

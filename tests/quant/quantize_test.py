@@ -17,10 +17,6 @@ REL_HALF_ULP = {'e4m3': 2.0**-4, 'e5m2': 2.0**-3}
 ABS_HALF_SUBNORMAL = {'e4m3': 2.0**-10, 'e5m2': 2.0**-17}
 
 
-def _rng(request):
-  return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
-
-
 def _fp8_codes(rng, fmt, shape):
   """Random finite FP8 values of the format, as float32."""
   dt = quant.fp8_dtype(fmt)
@@ -54,16 +50,17 @@ def test_saturating_cast(fmt):
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_saturating_cast_rounds_to_nearest_even_like_ml_dtypes(fmt, request):
-  x = _rng(request).standard_normal(10_000).astype(np.float32) * 8
+def test_saturating_cast_rounds_to_nearest_even_like_ml_dtypes(fmt, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(10_000).astype(np.float32) * 8
   got = np.asarray(quant.saturating_cast(x, fmt)).view(np.uint8)
   want = x.astype(np.float64).astype(quant.fp8_dtype(fmt)).view(np.uint8)
   np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_per_tensor_exact_on_representable(fmt, request):
-  rng = _rng(request)
+def test_per_tensor_exact_on_representable(fmt, seed):
+  rng = np.random.default_rng(seed)
   codes = _fp8_codes(rng, fmt, (33, 70))
   codes[5, 7] = -quant.fp8_max(fmt)  # amax is the max code: scale = 2^e.
   for e in (-20, 0, 7):
@@ -75,8 +72,8 @@ def test_per_tensor_exact_on_representable(fmt, request):
 
 @pytest.mark.parametrize('fmt', FORMATS)
 @pytest.mark.parametrize('group_size', [16, 128])
-def test_per_group_exact_on_representable(fmt, group_size, request):
-  rng = _rng(request)
+def test_per_group_exact_on_representable(fmt, group_size, seed):
+  rng = np.random.default_rng(seed)
   codes = _fp8_codes(rng, fmt, (7, 4 * group_size))
   codes[:, ::group_size] = quant.fp8_max(fmt)
   exps = rng.integers(-30, 30, size=(7, 4)).astype(np.float32)
@@ -90,8 +87,8 @@ def test_per_group_exact_on_representable(fmt, group_size, request):
     ((300,), 128), ((5, 300), 128), ((3, 4, 37), 16), ((1, 1), 16),
     ((2, 128), 128), ((129, 1), 16)])
 def test_per_group_error_bound_against_float64(fmt, shape, group_size,
-                                               request):
-  rng = _rng(request)
+                                               seed):
+  rng = np.random.default_rng(seed)
   x = (rng.standard_normal(shape) * np.exp(rng.standard_normal(shape) * 2))
   x = x.astype(np.float32)
   q = quant.quantize_per_group(x, group_size, fmt)
@@ -114,8 +111,9 @@ def test_per_group_error_bound_against_float64(fmt, shape, group_size,
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_per_tensor_error_bound_and_bf16_scale(fmt, request):
-  x = _rng(request).standard_normal((64, 96)).astype(np.float32) * 3
+def test_per_tensor_error_bound_and_bf16_scale(fmt, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((64, 96)).astype(np.float32) * 3
   for scale_dtype in (jnp.float32, jnp.bfloat16):
     q = quant.quantize_per_tensor(x, fmt, scale_dtype=scale_dtype)
     assert q.scale.dtype == scale_dtype
@@ -197,10 +195,26 @@ def test_scalars_and_one_dimensional():
         np.testing.assert_array_equal(deq, x)
 
 
-def test_bfloat16_input_and_output_dtype():
+@pytest.mark.parametrize('expansion', [False, True])
+def test_bfloat16_input_and_output_dtype(expansion):
+  """bf16 input: the codes and scales of the same values in float32;
+  dequantized to bf16: the float32 result rounded once."""
   x = jnp.linspace(-3, 3, 64, dtype=jnp.bfloat16)
-  q = quant.quantize_per_group(x, 16)
-  assert quant.dequantize(q, jnp.bfloat16).dtype == jnp.bfloat16
+  q = quant.quantize_per_group(x, 16, expansion=expansion)
+  q32 = quant.quantize_per_group(x.astype(jnp.float32), 16,
+                                 expansion=expansion)
+  for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(q32)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+  y = quant.dequantize(q, jnp.bfloat16)
+  assert y.dtype == jnp.bfloat16
+  want = quant.dequantize(q32)
+  np.testing.assert_array_equal(y, want.astype(jnp.bfloat16))
+  # Within FP8 rounding of x (E4M3: 3 mantissa bits).
+  np.testing.assert_allclose(np.asarray(y, np.float32),
+                             np.asarray(x, np.float32), rtol=2**-4,
+                             atol=1e-3)
 
 
 # Dynamic range expansion.
@@ -265,8 +279,8 @@ def test_expansion_range_far_beyond_u():
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_expansion_reduces_error_on_lognormal(fmt, request):
-  rng = _rng(request)
+def test_expansion_reduces_error_on_lognormal(fmt, seed):
+  rng = np.random.default_rng(seed)
   x = np.exp(rng.standard_normal((64, 512)) * 2.5).astype(np.float32)
   x *= np.sign(rng.standard_normal(x.shape)).astype(np.float32)
   err = {}

@@ -22,13 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 @pytest.fixture(scope='module')
-def hf_dir(tmp_path_factory) -> str:
+def hf_dir(tmp_path_factory, seed) -> str:
   """A tiny Llama 3 style checkpoint (GQA, tied, rope_scaling), bf16."""
   config = cm.LlamaConfig.preset(
       'tiny', tie_embeddings=True, rope_theta=500000.0,
       rope_scaling=cm.RopeScaling(original_max_position_embeddings=16))
-  model = cm.Llama(config, recipe='bf16',
-                   rngs=nnx.Rngs(np.random.randint(1 << 30)))
+  model = cm.Llama(config, recipe='bf16', rngs=nnx.Rngs(seed))
   path = str(tmp_path_factory.mktemp('hf'))
   cm.save_hf(model, path, dtype='bfloat16', max_shard_size=40_000)
   return path
