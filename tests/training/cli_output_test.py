@@ -6,6 +6,7 @@ the checkpoint's special token ids, coat_jax's submodules load on use."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -97,6 +98,7 @@ def _fake_run(monkeypatch, run_dir, records, interrupted):
     f.writelines(json.dumps(r) + '\n' for r in records)
   losses = [r['loss'] for r in records if 'loss' in r]
   summary = {'complete': False, 'sample': None, 'interrupted': interrupted,
+             'signal': signal.SIGINT if interrupted else None,
              'step': records[-1]['step'], 'nonfinite_steps': 0,
              'train_loss': float(np.mean(losses[-3:])),
              'val_loss': math.nan, 'tokens_per_s': 1234.0,
