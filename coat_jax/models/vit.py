@@ -30,6 +30,7 @@ import numpy as np
 
 from coat_jax import nn as coat_nn
 from coat_jax.models import hf
+from coat_jax.nn import partitioning
 
 ACTIVATIONS = ('gelu_tanh', 'gelu')
 
@@ -134,6 +135,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return jax.nn.dot_product_attention(q, k, v)
 
 
+def axis_names(axes: tuple[str | None, ...]) -> dict:
+  """An nnx param's metadata naming its logical axes: sharded as it is made
+  under a mesh, only recorded without one (as `partitioning.make_param`)."""
+  eager = (nnx.using_eager_sharding()
+           and not jax.sharding.get_abstract_mesh().empty)
+  return {'out_sharding': axes, 'eager_sharding': eager}
+
+
+def linear_layer(in_features: int, out_features: int,
+                 axes: tuple[str | None, str | None], **kwargs: Any
+                 ) -> nnx.Linear:
+  """nnx.Linear whose kernel and bias carry logical axis names (`axes`;
+  `coat_jax.convert` keeps them)."""
+  return nnx.Linear(in_features, out_features,
+                    kernel_metadata=axis_names(axes),
+                    bias_metadata=axis_names(axes[-1:]), **kwargs)
+
+
 def gelu_fn(approximate: bool, group_size: int | None) -> Callable:
   """jax.nn.gelu, or with `group_size` coat_jax.nn.gelu saving its input
   as E4M3 groups of that size."""
@@ -149,10 +168,10 @@ class Attention(nnx.Module):
 
   def __init__(self, config: ViTConfig, linear: Callable):
     d = config.hidden_size
-    self.q_proj = linear(d, d)
-    self.k_proj = linear(d, d)
-    self.v_proj = linear(d, d)
-    self.out_proj = linear(d, d)
+    self.q_proj = linear(d, d, ('embed', 'heads'))
+    self.k_proj = linear(d, d, ('embed', 'heads'))
+    self.v_proj = linear(d, d, ('embed', 'heads'))
+    self.out_proj = linear(d, d, ('heads', 'embed'))
     self.num_heads = config.num_heads
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -169,8 +188,10 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ViTConfig, linear: Callable,
                activation: Callable):
-    self.fc1 = linear(config.hidden_size, config.intermediate_size)
-    self.fc2 = linear(config.intermediate_size, config.hidden_size)
+    self.fc1 = linear(config.hidden_size, config.intermediate_size,
+                      ('embed', 'mlp'))
+    self.fc2 = linear(config.intermediate_size, config.hidden_size,
+                      ('mlp', 'embed'))
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -207,25 +228,29 @@ class ViT(nnx.Module):
 
   The linear layers and LayerNorms are nnx's until `coat_jax.convert`
   replaces them. The LayerNorms compute the variance as E[(x - E[x])^2],
-  as PyTorch does (`use_fast_variance=False`).
+  as PyTorch does (`use_fast_variance=False`). Params carry logical axis
+  names ('embed', 'heads', 'mlp', 'norm'; `coat_jax.nn.partitioning`).
   """
 
   def __init__(self, config: ViTConfig, *, dtype: Any = jnp.bfloat16,
                param_dtype: Any = jnp.float32,
                activation_group_size: int | None = None, rngs: nnx.Rngs):
     init = nnx.initializers.normal(config.init_std)
-    linear = functools.partial(nnx.Linear, dtype=dtype,
+    linear = functools.partial(linear_layer, dtype=dtype,
                                param_dtype=param_dtype, kernel_init=init,
                                rngs=rngs)
+    norm_axes = axis_names(('norm',))
     layer_norm = functools.partial(
         nnx.LayerNorm, epsilon=config.layer_norm_eps, dtype=dtype,
-        param_dtype=param_dtype, use_fast_variance=False, rngs=rngs)
+        param_dtype=param_dtype, use_fast_variance=False,
+        scale_metadata=norm_axes, bias_metadata=norm_axes, rngs=rngs)
     activation = gelu_fn(config.activation == 'gelu_tanh',
                          activation_group_size)
-    self.patch_embedding = linear(config.patch_features, config.hidden_size)
-    self.position_embedding = nnx.Param(
-        init(rngs.params(), (config.num_patches, config.hidden_size),
-             param_dtype))
+    self.patch_embedding = linear(config.patch_features, config.hidden_size,
+                                  (None, 'embed'))
+    self.position_embedding = partitioning.make_param(
+        init, rngs.params(), (config.num_patches, config.hidden_size),
+        param_dtype, (None, 'embed'))
     self.layers = nnx.List([
         EncoderLayer(config, linear, layer_norm, activation)
         for _ in range(config.num_layers)])
@@ -356,9 +381,10 @@ def load_siglip(path: str | os.PathLike, *, dtype: Any = jnp.bfloat16,
   config = config_from_siglip(hf_config)
 
   def make():
-    return ViT(config, dtype=dtype, param_dtype=param_dtype,
-               activation_group_size=activation_group_size,
-               rngs=nnx.Rngs(0))
+    with nnx.use_eager_sharding(False):
+      return ViT(config, dtype=dtype, param_dtype=param_dtype,
+                 activation_group_size=activation_group_size,
+                 rngs=nnx.Rngs(0))
 
   graphdef, abstract, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
   with hf._Tensors(path) as tensors:

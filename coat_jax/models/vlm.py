@@ -91,10 +91,10 @@ class Projector(nnx.Module):
                activation: Any, dtype: Any, param_dtype: Any,
                init_std: float, rngs: nnx.Rngs):
     linear = functools.partial(
-        nnx.Linear, dtype=dtype, param_dtype=param_dtype,
+        vit.linear_layer, dtype=dtype, param_dtype=param_dtype,
         kernel_init=nnx.initializers.normal(init_std), rngs=rngs)
-    self.fc1 = linear(in_features, hidden)
-    self.fc2 = linear(hidden, out_features)
+    self.fc1 = linear(in_features, hidden, ('embed', 'mlp'))
+    self.fc2 = linear(hidden, out_features, ('mlp', 'embed'))
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:

@@ -283,6 +283,45 @@ def test_coat_adamw_steps_lower_the_held_out_loss():
   assert after < 0.7 * before
 
 
+def test_sharded_on_eight_devices():
+  """Built under a (data, fsdp, tensor) = (2, 2, 2) mesh of the fake CPU
+  devices with the logical axis rules, the coat VLM's params are sharded
+  by their names (the ViT's and projector's too, kept by convert), and its
+  loss and gradients with the batch sharded are the single-device
+  model's."""
+  b = _batch(0)
+  single = vlm.VLM(CONFIG, recipe='coat', rngs=nnx.Rngs(SEED))
+  graphdef, params, rest = nnx.split(single, nnx.Param, ...)
+  grad_fn = jax.jit(jax.value_and_grad(lambda params, rest, b: vlm.vlm_loss(
+      nnx.merge(graphdef, params, rest), b.images, b.tokens, b.targets,
+      b.loss_mask)))
+  want_loss, want_grads = grad_fn(params, rest, b)
+  mesh = jax.make_mesh((2, 2, 2), ('data', 'fsdp', 'tensor'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(
+      coat_jax.nn.LOGICAL_AXIS_RULES):
+    model = vlm.VLM(CONFIG, recipe='coat', rngs=nnx.Rngs(SEED))
+    fc1 = model.vision.layers[0].mlp.fc1
+    assert isinstance(fc1, CoatLinear)
+    assert fc1.kernel[...].sharding.spec == jax.sharding.PartitionSpec(
+        'fsdp', 'tensor')
+    assert model.projector.fc2.kernel[...].sharding.spec == (
+        jax.sharding.PartitionSpec('tensor', 'fsdp'))
+    batch_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(('data', 'fsdp')))
+    sharded = jax.device_put(b, batch_sharding)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda params, rest, b: vlm.vlm_loss(
+            nnx.merge(graphdef, params, rest), b.images, b.tokens,
+            b.targets, b.loss_mask)))(params, rest, sharded)
+  print(f'loss sharded {float(loss):.6f}, single device'
+        f' {float(want_loss):.6f}; gradient cosine'
+        f' {_cos(grads, want_grads):.6f}')
+  assert float(loss) == pytest.approx(float(want_loss), rel=1e-3)
+  assert _cos(grads, want_grads) > 0.999
+
+
 # --- Decoding and accuracy --------------------------------------------------
 
 
