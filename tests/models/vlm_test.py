@@ -143,6 +143,30 @@ def test_recipe_converts_the_vision_tower_and_projector(recipe):
                nnx.to_pure_dict(nnx.state(reference, nnx.Param)))
 
 
+def test_pretrained_siglip_tower_goes_into_the_vlm(tmp_path):
+  """A SigLIP vision tower of the tiny ViT's dims, loaded with load_siglip,
+  updates the coat VLM's converted tower in place (the state trees are the
+  same): its features are then the loaded ViT's converted with coat."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  torch.manual_seed(SEED)
+  v = CONFIG.vision
+  hf_config = transformers.SiglipVisionConfig(
+      hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+      num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
+      image_size=v.image_size, patch_size=v.patch_size)
+  transformers.SiglipVisionModel(hf_config).save_pretrained(tmp_path)
+  tower = vit.load_siglip(tmp_path, activation_group_size=16)
+  assert tower.config == v
+  model = vlm.VLM(CONFIG, recipe='coat', rngs=nnx.Rngs(SEED))
+  nnx.update(model.vision, nnx.state(tower, nnx.Param))
+  coat_jax.convert(tower)
+  images = _batch(0, batch_size=2).images
+  np.testing.assert_array_equal(
+      np.asarray(model.vision(images), np.float32),
+      np.asarray(tower(images), np.float32))
+
+
 # --- The loss ---------------------------------------------------------------
 
 
