@@ -550,7 +550,8 @@ class Decoder(nnx.Module):
     return fsdp.gather_weight(self.lm_head[...])
 
   def hidden_states(self, tokens: jax.Array,
-                    layers: Sequence[Any] | None = None) -> jax.Array:
+                    layers: Sequence[Any] | None = None,
+                    prefix: jax.Array | None = None) -> jax.Array:
     """int tokens (B, S) -> final normed hidden states (B, S, H) in dtype.
 
     `layers` (unrolled layers only): num_layers trees, each one layer's
@@ -558,9 +559,14 @@ class Decoder(nnx.Module):
     the stacked params, so that gradients with respect to them come per
     layer and are never stacked (`fused_coat_adamw` steps each layer of the
     stack in place).
+
+    `prefix`: None, or (B, P, H) floating embeddings (a vision-language
+    model's image tokens) placed before the token embeddings, cast to dtype
+    and not scaled by `embed_scale`; the positions (RoPE, causal mask) run
+    over all P + S, and the result is (B, P + S, H).
     """
     config = self.config
-    seq = _check_tokens(tokens, config)
+    seq = _check_tokens(tokens, config, prefix)
     if layers is not None and (config.scan_layers
                                or len(layers) != config.num_layers):
       raise ValueError(
@@ -572,6 +578,8 @@ class Decoder(nnx.Module):
     x = _embed(self.embed[...], tokens, self.dtype)
     if config.embed_scale:
       x = x * jnp.asarray(math.sqrt(config.hidden_size), self.dtype)
+    if prefix is not None:
+      x = jnp.concatenate([prefix.astype(self.dtype), x], axis=1)
     x = fsdp.shard_batch(x)
     ropes = layer_rope_tables(config, seq)
 
@@ -729,7 +737,10 @@ def _cast_param_jvp(dtype, primals, tangents):
   return w.astype(dtype), tangents[1].astype(dtype)
 
 
-def _check_tokens(tokens: Any, config: DecoderConfig) -> int:
+def _check_tokens(tokens: Any, config: DecoderConfig,
+                  prefix: Any = None) -> int:
+  """The sequence length of tokens, after the prefix if one is given (P +
+  S); raises on bad tokens or prefix."""
   dtype = getattr(tokens, 'dtype', None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
@@ -740,9 +751,20 @@ def _check_tokens(tokens: Any, config: DecoderConfig) -> int:
         f'tokens has shape {tokens.shape}; expected (batch, seq) (add a batch'
         ' axis with tokens[None]).')
   seq = tokens.shape[1]
+  if prefix is not None:
+    batch, hidden = tokens.shape[0], config.hidden_size
+    if (getattr(prefix, 'ndim', None) != 3
+        or (prefix.shape[0], prefix.shape[2]) != (batch, hidden)
+        or not jnp.issubdtype(prefix.dtype, jnp.floating)):
+      raise ValueError(
+          f'prefix has shape {getattr(prefix, "shape", None)} and dtype'
+          f' {getattr(prefix, "dtype", None)}; expected floating embeddings'
+          f' of shape (batch={batch}, prefix length, hidden_size={hidden}).')
+    seq += prefix.shape[1]
   if seq > config.max_seq_len:
+    what = 'tokens' if prefix is None else 'prefix + tokens'
     raise ValueError(
-        f'tokens has sequence length {seq}, longer than the RoPE table'
+        f'{what} has sequence length {seq}, longer than the RoPE table'
         f' (config.max_seq_len={config.max_seq_len}); shorten the sequence or'
         f' raise max_seq_len (e.g. dataclasses.replace(config,'
         f' max_seq_len={seq})).')
