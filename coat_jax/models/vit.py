@@ -107,6 +107,18 @@ class ViTConfig:
     return cls(**{**cls.PRESETS[name], **overrides})
 
 
+# SigLIP's image preprocessing: pixels / 255, less the mean, over the std.
+PIXEL_MEAN = PIXEL_STD = 0.5
+
+
+def normalize(pixels: Any, dtype: Any = np.float32) -> Any:
+  """uint8 pixels (numpy or jax) -> (pixels / 255 - PIXEL_MEAN) /
+  PIXEL_STD in dtype, in [-1, 1] (SigLIP's preprocessing)."""
+  scale = 1 / (255 * PIXEL_STD)
+  x = pixels.astype(np.float32) * np.float32(scale)
+  return (x - np.float32(PIXEL_MEAN / PIXEL_STD)).astype(dtype)
+
+
 def patchify(images: jax.Array, patch_size: int) -> jax.Array:
   """(B, H, W, C) -> (B, H/p * W/p, p * p * C): patches in row-major order
   over the grid, each flattened in (row, column, channel) order."""

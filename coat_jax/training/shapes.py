@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from coat_jax.models import vit
 from coat_jax.models import vlm
 
 COLORS = {'red': (230, 25, 75), 'green': (60, 180, 75),
@@ -57,7 +58,6 @@ SPLITS = ('train', 'val')
 # One scene layout in HELD_OUT is the held-out split's (`held_out`).
 HELD_OUT = 8
 # Pixels to [-1, 1]: (x / 255 - 0.5) / 0.5, SigLIP's normalization.
-PIXEL_MEAN = PIXEL_STD = 0.5
 
 _RGB = np.array(list(COLORS.values()), np.uint8)
 # Whether pixels at offsets (dy, dx) from a shape's centre are inside it,
@@ -261,7 +261,7 @@ class ShapesDataset:
 
   def encode(self, sample: Sample, dtype: Any = np.float32) -> Batch:
     """The `Batch` of a `Sample`: images normalized in `dtype` (np.uint8:
-    the pixels as they are, to normalize on the device with `normalize`,
+    the pixels as they are, to normalize on the device with `vit.normalize`,
     a quarter of float32's bytes to transfer), text as bytes."""
     lq, la = self.question_len, self.answer_len
     rows = b''.join(
@@ -277,7 +277,7 @@ class ShapesDataset:
     # Position t predicts token t + 1: the answer's bytes and END.
     loss_mask = (t >= lq - 1) & (t < lq + answer[:, None])
     images = (sample.pixels if np.dtype(dtype) == np.uint8
-              else normalize(sample.pixels, dtype))
+              else vit.normalize(sample.pixels, dtype))
     return Batch(images, tokens, targets, loss_mask)
 
   def batch(self, split: str, seed: int, index: int, batch_size: int,
@@ -308,14 +308,6 @@ def held_out(scenes: Scenes) -> np.ndarray:
   x *= np.uint64(0x94D049BB133111EB)
   x ^= x >> np.uint64(31)
   return x % np.uint64(HELD_OUT) == 0
-
-
-def normalize(pixels: Any, dtype: Any = np.float32) -> Any:
-  """uint8 pixels (numpy or jax) -> (pixels / 255 - PIXEL_MEAN) /
-  PIXEL_STD in dtype, in [-1, 1]."""
-  scale = 1 / (255 * PIXEL_STD)
-  x = pixels.astype(np.float32) * np.float32(scale)
-  return (x - np.float32(PIXEL_MEAN / PIXEL_STD)).astype(dtype)
 
 
 def _question(kind: str, *names: str) -> str:

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from coat_jax.models import vit
 from coat_jax.training import shapes
 
 SEED = 7101
@@ -189,7 +190,7 @@ def test_images_normalized_in_the_dtype_asked_for():
   np.testing.assert_array_equal(bf16, f32.astype(ml_dtypes.bfloat16))
   raw = ds.encode(sample, np.uint8).images
   np.testing.assert_array_equal(raw, sample.pixels)
-  np.testing.assert_array_equal(shapes.normalize(raw), f32)
+  np.testing.assert_array_equal(vit.normalize(raw), f32)
 
 
 def test_bad_arguments():
