@@ -135,12 +135,16 @@ class ShapesDataset:
   Attributes:
     image_size: height and width S of the images, in pixels (>= 30).
     max_objects: most shapes in an image, 1 to 9.
+    text_len: text tokens per example, PAD after the answer (None: the
+      fewest, question_len + answer_len); a VLM pads so that its image
+      tokens and text fill a length its attention kernels take.
   """
 
   vocab_size: ClassVar[int] = BYTE_VOCAB
 
   image_size: int = 32
   max_objects: int = 4
+  text_len: int | None = None
 
   def __post_init__(self):
     if (not isinstance(self.image_size, int)
@@ -152,6 +156,12 @@ class ShapesDataset:
         or not 1 <= self.max_objects <= GRID ** 2):
       raise ValueError(f'max_objects={self.max_objects!r} must be an int in'
                        f' [1, {GRID ** 2}] (one shape a grid cell).')
+    fewest = self.question_len + self.answer_len
+    if self.text_len is not None and (
+        not isinstance(self.text_len, int) or self.text_len < fewest):
+      raise ValueError(f'text_len={self.text_len!r} must be an int >='
+                       f' {fewest} (the longest question and answer), or'
+                       ' None.')
 
   @property
   def question_len(self) -> int:
@@ -169,8 +179,8 @@ class ShapesDataset:
 
   @property
   def seq_len(self) -> int:
-    """Text tokens T of a batch: question_len + answer_len."""
-    return self.question_len + self.answer_len
+    """Text tokens T of a batch: text_len, or question_len + answer_len."""
+    return self.text_len or self.question_len + self.answer_len
 
   @property
   def cell(self) -> int:
@@ -263,17 +273,17 @@ class ShapesDataset:
     """The `Batch` of a `Sample`: images normalized in `dtype` (np.uint8:
     the pixels as they are, to normalize on the device with `vit.normalize`,
     a quarter of float32's bytes to transfer), text as bytes."""
-    lq, la = self.question_len, self.answer_len
+    lq = self.question_len
     rows = b''.join(
         q.encode().rjust(lq, bytes([PAD]))
-        + (a.encode() + bytes([END])).ljust(la, bytes([PAD]))
+        + (a.encode() + bytes([END])).ljust(self.seq_len - lq, bytes([PAD]))
         for q, a in zip(sample.questions, sample.answers, strict=True))
-    tokens = np.frombuffer(rows, np.uint8).reshape(-1, lq + la)
+    tokens = np.frombuffer(rows, np.uint8).reshape(-1, self.seq_len)
     tokens = tokens.astype(np.int32)
     targets = np.concatenate(
         [tokens[:, 1:], np.full((len(tokens), 1), PAD, np.int32)], axis=1)
     answer = np.array([len(a) for a in sample.answers])
-    t = np.arange(lq + la)[None]
+    t = np.arange(self.seq_len)[None]
     # Position t predicts token t + 1: the answer's bytes and END.
     loss_mask = (t >= lq - 1) & (t < lq + answer[:, None])
     images = (sample.pixels if np.dtype(dtype) == np.uint8
@@ -384,7 +394,7 @@ def answer_accuracy(model: vlm.VLM, dataset: ShapesDataset, seed: int, *,
     got = np.asarray(vlm.greedy_decode(
         model, batch.images, batch.tokens[:, :lq], la,
         vocab_limit=BYTE_VOCAB))
-    want = batch.tokens[:, lq:]
+    want = batch.tokens[:, lq:lq + la]
     counted = batch.loss_mask[:, lq - 1:lq - 1 + la]
     right += int(np.all((got == want) | ~counted, axis=1).sum())
   return right / (num_batches * batch_size)

@@ -123,12 +123,20 @@ _DETERMINISTIC_FLAGS = ('--xla_gpu_deterministic_ops',
 
 
 def check_deterministic_layers(model: decoder.DecoderConfig,
-                               platform: str) -> None:
+                               platform: str, vision_layers: int = 0
+                               ) -> None:
   """Raises ValueError naming the fix where XLA_FLAGS asks for XLA's
-  deterministic GPU ops and the step would run unrolled layers there."""
+  deterministic GPU ops and the step would run unrolled layers there
+  (vision_layers: a VLM's ViT layers, always unrolled)."""
   flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
            if f.split('=')[0] in _DETERMINISTIC_FLAGS
            and f.split('=', 1)[-1].lower() not in ('false', '0')]
+  if flags and platform == 'gpu' and vision_layers > 1:
+    raise ValueError(
+        f'XLA_FLAGS has {flags[0]}, under which jax 0.11.2 fails at the'
+        ' first step with unrolled layers (cuDNN flash attention\'s backward'
+        ' more than once in one program), and a VLM\'s ViT layers are'
+        ' unrolled: drop the flag.')
   if flags and platform == 'gpu' and model.num_layers > 1 and not (
       model.scan_layers):
     raise ValueError(
@@ -301,7 +309,9 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   recipe = config_lib.recipe(config.model)
   remat_lib.jax_policy(remat_lib.resolve(  # offloading needs a GPU
       arch.remat, recipe, arch.scan_layers))
-  check_deterministic_layers(arch, devices[0].platform)
+  vision = config_lib.vlm_architecture(config.model)
+  check_deterministic_layers(arch, devices[0].platform,
+                             vision.vision.num_layers if vision else 0)
   mesh = sharding.make_mesh(
       config_lib.mesh_shape(config.mesh, len(devices)), devices)
 
