@@ -318,10 +318,12 @@ def load_hf(path: str | os.PathLike,
             param_dtype: Any = jnp.float32,
             implementation: str | None = None,
             precision: str | None = None,
-            **config_overrides: Any) -> decoder.Decoder:
+            **config_overrides: Any) -> nnx.Module:
   """A `Decoder` with the weights of an HF checkpoint directory of any
   supported family (config.json's model_type: llama, mistral, qwen2,
-  qwen3, olmo2, gemma3_text).
+  qwen3, olmo2, gemma3_text), or a SigLIP vision tower ('siglip_vision_model'
+  or 'siglip', `vit.load_siglip`) as a `vit.ViT` converted with the recipe
+  (`coat_jax.convert`; its `conversion` is the report).
 
   Args:
     path: directory with config.json and model.safetensors (or sharded
@@ -343,6 +345,10 @@ def load_hf(path: str | os.PathLike,
     The model, params placed per `shardings`.
   """
   hf = read_hf_config(path)
+  if hf.get('model_type') in SIGLIP_MODEL_TYPES:
+    return _load_siglip(path, recipes.from_arguments(recipe, precision),
+                        shardings=shardings, dtype=dtype,
+                        param_dtype=param_dtype, overrides=config_overrides)
   family = families.by_model_type(hf.get('model_type'))
   config = family.config_from_hf(hf, config_overrides)
   recipe = recipes.from_arguments(recipe, precision)
@@ -358,6 +364,32 @@ def load_hf(path: str | os.PathLike,
                           norm_names=family.norm_names)
   nnx.replace_by_pure_dict(abstract, params)
   return nnx.merge(graphdef, abstract, rest)
+
+
+# config.json model_types of SigLIP checkpoints whose vision tower load_hf
+# reads.
+SIGLIP_MODEL_TYPES = ('siglip_vision_model', 'siglip')
+
+
+def _load_siglip(path, recipe, *, shardings, dtype, param_dtype,
+                 overrides) -> nnx.Module:
+  """`load_hf` of a SigLIP checkpoint: its vision tower, converted."""
+  # vit reads its checkpoints through this module: imported here.
+  from coat_jax import conversion  # noqa: PLC0415
+  from coat_jax.models import vit  # noqa: PLC0415
+
+  if shardings is not None or overrides:
+    raise ValueError(
+        f'load_hf({path}): a SigLIP vision tower loads onto the default'
+        ' device with its checkpoint\'s config; drop '
+        + ('shardings (place it afterwards with jax.device_put)'
+           if shardings is not None else f'{sorted(overrides)}') + '.')
+  group = (recipe.activation_group_size if recipe.fp8_activations
+           else None)
+  tower = vit.load_siglip(path, dtype=dtype, param_dtype=param_dtype,
+                          activation_group_size=group)
+  tower.conversion = conversion.convert(tower, recipe)
+  return tower
 
 
 def _host(x: jax.Array) -> np.ndarray:
