@@ -41,6 +41,7 @@ ModelConfig = dataclasses.make_dataclass(
      ('recipe', recipes.Recipe | str,
       dataclasses.field(default=recipes.DEFAULT)),
      ('init_from', str | None, dataclasses.field(default=None)),
+     ('vision_init_from', str | None, dataclasses.field(default=None)),
      *_architecture_fields()],
     namespace={'__doc__': """The model: a preset with field overrides, or a
   Hugging Face checkpoint, and the recipe it trains with.
@@ -56,6 +57,10 @@ ModelConfig = dataclasses.make_dataclass(
     safetensors) of a supported family: the first run starts from its
     weights, its config.json sets the architecture (the preset is ignored)
     and data.source=text uses its tokenizer.json.
+  vision_init_from: a SigLIP checkpoint directory (`vit.load_siglip`): a
+    VLM preset's first run starts its vision tower from its weights (their
+    config must match the preset's ViT; the projector and the decoder
+    start random).
   Every other field overrides the `DecoderConfig` field of its name (None:
   the preset's or the checkpoint's value), e.g. model.num_layers=4,
   model.scan_layers=true, model.remat=full (see `coat_jax.models.remat`).
@@ -434,6 +439,11 @@ def validate(config: Config, num_devices: int) -> None:
     raise ValueError(f'model.preset={m.preset!r} is unknown: use one of'
                      f' {known}.')
   _check_task(m, d)
+  if m.vision_init_from is not None and vlm_architecture(m) is None:
+    raise ValueError(
+        f'model.vision_init_from={m.vision_init_from} loads a VLM\'s vision'
+        f' tower, but model.preset={m.preset!r} has none: set model.preset'
+        f' to one of {sorted(vlm.PRESETS)} (or drop the field).')
   if m.remat is not None:
     remat_lib.check_policy(m.remat, 'model.remat')
   _one_of('optim.name', o.name, ('coat_adamw', 'adamw'))

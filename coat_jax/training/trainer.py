@@ -21,6 +21,7 @@ from coat_jax import optim
 from coat_jax.models import decoder
 from coat_jax.models import hf
 from coat_jax.models import remat as remat_lib
+from coat_jax.models import vit
 from coat_jax.training import checkpoints as checkpoints_lib
 from coat_jax.training import compilation_cache
 from coat_jax.training import config as config_lib
@@ -331,8 +332,23 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   state_shardings = _state_shardings(config, mesh, abstract_model,
                                      abstract_state)
 
+  vision_from = config.model.vision_init_from
+  if vision_from is not None:
+    check_vision_checkpoint(vision_from, config_lib.vlm_architecture(
+        config.model).vision)
+
   def init_state():
-    """A new run's state, placed: random params, or model.init_from's."""
+    """A new run's state, placed: random params, or model.init_from's
+    (model.vision_init_from's in a VLM's vision tower)."""
+    if vision_from is not None:
+      params = jax.jit(model_params,
+                       out_shardings=state_shardings['params'])()
+      params['vision'] = jax.device_put(
+          nnx.to_pure_dict(nnx.state(vit.load_siglip(vision_from),
+                                     nnx.Param)),
+          state_shardings['params']['vision'])
+      return jax.jit(new_state, out_shardings=state_shardings,
+                     donate_argnums=0)(params)
     if config.model.init_from is None:
       # Made under jit, each device its own shard (partitionable threefry:
       # the same values on any mesh). Made eagerly, the whole float32 params
@@ -383,6 +399,22 @@ def build(config: config_lib.Config, devices=None) -> Setup:
           out_shardings=replicated),
       lower_train_step=train_step.lower,
   )
+
+
+def check_vision_checkpoint(path: str, want: vit.ViTConfig) -> None:
+  """Raises ValueError unless the SigLIP checkpoint at `path` has the
+  architecture `want` (a VLM preset's ViT), naming the fields that differ."""
+  got = vit.config_from_siglip(hf.read_hf_config(path))
+  differ = [f'{f.name}: {getattr(got, f.name)!r} there,'
+            f' {getattr(want, f.name)!r} here'
+            for f in dataclasses.fields(want)
+            if f.name != 'init_std'
+            and getattr(got, f.name) != getattr(want, f.name)]
+  if differ:
+    raise ValueError(
+        f'model.vision_init_from={path} is not the preset\'s vision tower ('
+        + '; '.join(differ) + '): use a checkpoint of the preset\'s ViT, or'
+        ' a preset whose ViT it is.')
 
 
 def _key(k: Any) -> Any:

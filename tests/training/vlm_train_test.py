@@ -205,3 +205,47 @@ def test_the_vlm_model_of_the_task_is_a_converted_vlm(tmp_path):
   model = task.make_model(config_lib.recipe(config.model), nnx.Rngs(0))
   assert model.conversion.converted  # the vision tower's layers
   assert task.layers_path == ('decoder', 'layers')
+
+
+def _siglip_checkpoint(path, **overrides):
+  """A random SigLIP vision tower shaped as 'vlm_tiny''s ViT, saved by
+  transformers."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  torch.manual_seed(7301)
+  config = transformers.SiglipVisionConfig(**{
+      **dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, image_size=32, patch_size=8),
+      **overrides})
+  transformers.SiglipVisionModel(config).save_pretrained(str(path))
+  return str(path)
+
+
+def test_a_vlm_run_starts_its_vision_tower_from_a_siglip_checkpoint(
+    tmp_path):
+  from coat_jax.models import vit  # noqa: PLC0415
+  siglip = _siglip_checkpoint(tmp_path / 'siglip')
+  config = training.apply_overrides(
+      _vlm_config(tmp_path), [f'model.vision_init_from={siglip}'])
+  setup = trainer.build(config, devices=jax.devices()[:2])
+  params = setup.init_state()['params']
+  want = nnx.to_pure_dict(nnx.state(vit.load_siglip(siglip), nnx.Param))
+  jax.tree.map(np.testing.assert_array_equal, params['vision'], want)
+  random = trainer.build(_vlm_config(tmp_path), jax.devices()[:2])
+  # The rest starts as a run without the checkpoint does.
+  jax.tree.map(np.testing.assert_array_equal, params['decoder'],
+               random.init_state()['params']['decoder'])
+
+
+def test_a_siglip_checkpoint_of_another_shape_or_a_language_model_is_refused(
+    tmp_path):
+  wide = _siglip_checkpoint(tmp_path / 'wide', hidden_size=32,
+                            num_attention_heads=2)
+  config = training.apply_overrides(
+      _vlm_config(tmp_path), [f'model.vision_init_from={wide}'])
+  with pytest.raises(ValueError, match='hidden_size: 32 there, 64 here'):
+    trainer.build(config, devices=jax.devices()[:1])
+  config = training.apply_overrides(
+      training.Config(), [f'model.vision_init_from={wide}'])
+  with pytest.raises(ValueError, match='has none: set model.preset'):
+    config_lib.validate(config, 1)
