@@ -258,27 +258,20 @@ def report(out_dir: str) -> str:
   lines = [f'{r0["config"]}{extra}: {data}, batch {r0["batch"]},'
            f' {r0["steps"]} steps; final validation loss, mean of seeds'
            ' (each seed), and the relative difference of the means to'
-           ' bf16', '',
-           '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
-           '|---' * (len(lrs) + 1) + '|']
-  for v in variants:
-    cells = []
-    for lr in lrs:
-      seeds = finals.get((v, lr))
-      if not seeds:
-        cells.append('')
-        continue
-      mean = statistics.mean(seeds.values())
-      each = ', '.join(f'{seeds[s]:.4f}' for s in sorted(seeds))
-      cell = f'{mean:.4f} ({each})'
-      ref = finals.get(('bf16', lr))
-      if v != 'bf16' and ref and set(ref) == set(seeds):
-        diff = mean / statistics.mean(ref.values()) - 1
-        cell += f' {100 * diff:+.2f}%'
-        if lr in TARGETS:
-          cell += ' ok' if abs(diff) <= TARGETS[lr] else ' MISS'
-      cells.append(cell)
-    lines.append(f'| {v} | ' + ' | '.join(cells) + ' |')
+           ' bf16', '', *_header(lrs)]
+
+  def loss_cell(lr, seeds, ref):
+    mean = statistics.mean(seeds.values())
+    cell = (f'{mean:.4f} ('
+            + ', '.join(f'{seeds[s]:.4f}' for s in sorted(seeds)) + ')')
+    if ref:
+      diff = mean / statistics.mean(ref.values()) - 1
+      cell += f' {100 * diff:+.2f}%'
+      if lr in TARGETS:
+        cell += ' ok' if abs(diff) <= TARGETS[lr] else ' MISS'
+    return cell
+
+  lines += _rows(finals, variants, lrs, loss_cell)
   lines += ['', 'ok/MISS: within the target of bf16 (0.5% at 1e-3 and'
             ' 3e-3, 1.5% at 1e-2; same seeds on both sides).']
   lines += _paired_table(finals, variants, lrs)
@@ -327,9 +320,7 @@ def _paired_table(finals: dict, variants: list[str],
     return []
   return ['', 'Per seed, variant / bf16 - 1 (mean +- standard error'
           ' over the seeds; two seeds: +- the standard deviation of a'
-          ' mean of two):', '',
-          '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
-          '|---' * (len(lrs) + 1) + '|', *rows]
+          ' mean of two):', '', *_header(lrs), *rows]
 
 
 def _accuracy_table(runs: list[dict], variants: list[str],
@@ -344,27 +335,39 @@ def _accuracy_table(runs: list[dict], variants: list[str],
           r['final_accuracy'])
   if not finals:
     return []
-  lines = ['', 'Final held-out answer accuracy, mean of seeds (each seed),'
-           ' and the difference of the means to bf16 in points:', '',
-           '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
-           '|---' * (len(lrs) + 1) + '|']
+  def accuracy_cell(lr, seeds, ref):
+    mean = statistics.mean(seeds.values())
+    cell = (f'{100 * mean:.1f}% ('
+            + ', '.join(f'{100 * seeds[s]:.1f}' for s in sorted(seeds)) + ')')
+    if ref:
+      cell += f' {100 * (mean - statistics.mean(ref.values())):+.1f}'
+    return cell
+
+  return ['', 'Final held-out answer accuracy, mean of seeds (each seed),'
+          ' and the difference of the means to bf16 in points:', '',
+          *_header(lrs), *_rows(finals, variants, lrs, accuracy_cell)]
+
+
+def _header(lrs: list[float]) -> list[str]:
+  return ['| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
+          '|---' * (len(lrs) + 1) + '|']
+
+
+def _rows(finals: dict, variants: list[str], lrs: list[float],
+          cell) -> list[str]:
+  """A markdown row per variant of `finals` ({(variant, lr): {seed:
+  value}}): cell(lr, seeds, ref) at each lr it ran, ref being bf16's
+  {seed: value} when the variant is not bf16 and bf16 ran the same seeds,
+  else None."""
+  rows = []
   for v in variants:
     cells = []
     for lr in lrs:
-      seeds = finals.get((v, lr))
-      if not seeds:
-        cells.append('')
-        continue
-      mean = statistics.mean(seeds.values())
-      cell = (f'{100 * mean:.1f}% ('
-              + ', '.join(f'{100 * seeds[s]:.1f}' for s in sorted(seeds))
-              + ')')
-      ref = finals.get(('bf16', lr))
-      if v != 'bf16' and ref and set(ref) == set(seeds):
-        cell += f' {100 * (mean - statistics.mean(ref.values())):+.1f}'
-      cells.append(cell)
-    lines.append(f'| {v} | ' + ' | '.join(cells) + ' |')
-  return lines
+      seeds, ref = finals.get((v, lr)), finals.get(('bf16', lr))
+      same = v != 'bf16' and ref and set(ref) == set(seeds or ())
+      cells.append(cell(lr, seeds, ref if same else None) if seeds else '')
+    rows.append(f'| {v} | ' + ' | '.join(cells) + ' |')
+  return rows
 
 
 def _over_seeds(curves: list[list[tuple[int, float]]]):
