@@ -12,7 +12,6 @@ config.json's bos_token_id, eos_token_id and pad_token_id kept.
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -22,18 +21,6 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json',
                    'generation_config.json')
 # The config.json fields of model.init_from that an export keeps.
 TOKEN_ID_FIELDS = ('bos_token_id', 'eos_token_id', 'pad_token_id')
-
-
-def load_run_config(run_dir: str):
-  """The `training.Config` that train.py saved in RUN_DIR/config.json."""
-  from coat_jax.training import config as config_lib  # noqa: PLC0415
-
-  file = os.path.join(run_dir, 'config.json')
-  if not os.path.isfile(file):
-    raise FileNotFoundError(f'{file}: no such file; RUN_DIR must be a'
-                            ' train.py run directory (train.run_dir).')
-  with open(file) as f:
-    return config_lib.from_dict(json.load(f))
 
 
 def token_ids(init_from: str) -> dict:
@@ -58,7 +45,7 @@ def export(run_dir: str, out_dir: str, *, dtype: str = 'float32',
   from coat_jax.training import trainer  # noqa: PLC0415
   from coat_jax.training.checkpoints import Checkpointer  # noqa: PLC0415
 
-  config = load_run_config(run_dir)
+  config = config_lib.read_run_config(run_dir)
   if config_lib.vlm_architecture(config.model) is not None:
     raise ValueError(
         f'{run_dir} trained a vision-language model; export writes a'

@@ -11,8 +11,6 @@ restored on one device.
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 from typing import Any
 
@@ -38,12 +36,7 @@ def load_run(run_dir: str, devices=None) -> tuple[config_lib.Config, Any, int]:
   Raises:
     FileNotFoundError: no config.json or no checkpoint in `run_dir`.
   """
-  path = os.path.join(run_dir, 'config.json')
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'{run_dir}: no config.json; give a run directory'
-                            ' that train.py wrote (train.run_dir).')
-  with open(path) as f:
-    config = config_lib.from_dict(json.load(f))
+  config = config_lib.read_run_config(run_dir)
   devices = jax.devices()[:1] if devices is None else devices
   # The run's mesh and batch may not fit these devices; neither changes the
   # saved state, which restores onto any mesh.
@@ -79,12 +72,14 @@ def main(argv=None) -> int:
                       help='the sampling seed (default 0)')
   args = parser.parse_args(argv)
   try:
-    config, model, step = load_run(args.run_dir)
-    if config_lib.vlm_architecture(config.model) is not None:
+    if config_lib.vlm_architecture(config_lib.read_run_config(
+        args.run_dir).model) is not None:
       raise ValueError(
           f'{args.run_dir} trained a vision-language model, which answers'
-          ' questions about images rather than continuing text: use'
+          ' questions about images rather than continuing text: load it'
+          ' with coat_jax.generate.load_run and decode with'
           ' coat_jax.models.vlm.greedy_decode (docs/vlm.md).')
+    config, model, step = load_run(args.run_dir)
     tokenizer = tokenizer_lib.for_data(tasks.data_config(config))
     if tokenizer is None:
       raise ValueError(

@@ -6,6 +6,7 @@ A config file is a Python file with `get_config() -> Config`. Overrides are
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import types
@@ -615,6 +616,20 @@ def from_dict(values: dict) -> Config:
   if unknown:
     raise ValueError(f'unknown config sections {sorted(unknown)}.')
   return Config(**sections)
+
+
+def read_run_config(run_dir: str | os.PathLike) -> Config:
+  """The Config that train.py saved in RUN_DIR/config.json.
+
+  Raises:
+    FileNotFoundError: `run_dir` has no config.json.
+  """
+  path = os.path.join(run_dir, 'config.json')
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{run_dir}: no config.json; give a run directory'
+                            ' that train.py wrote (train.run_dir).')
+  with open(path) as f:
+    return from_dict(json.load(f))
 
 
 def _model_from_dict(given: dict) -> dict:
