@@ -1,5 +1,6 @@
-"""Trains a language model with COAT FP8 training. `python train.py` runs the
-default (a tiny Llama on the standard library's Python files, byte-level).
+"""Trains a language model (or a VLM) with COAT FP8 training. `python
+train.py` runs the default (a tiny Llama on the standard library's Python
+files, byte-level).
 
   python train.py
   python train.py --config configs/llama_1b.py --set model.recipe=bf16 \
@@ -8,6 +9,7 @@ default (a tiny Llama on the standard library's Python files, byte-level).
       --set model.init_from=path/to/qwen3
   python train.py --config configs/llama2_7b.py --estimate
   python train.py --config configs/llama2_7b.py --find-max-batch
+  python train.py --config configs/vlm_tiny.py
 
 On GPU, XLA may use MEM_FRACTION of each device unless
 XLA_PYTHON_CLIENT_MEM_FRACTION is set (XLA's own default is 0.75).
@@ -124,13 +126,15 @@ def _last_recorded(run_dir: str) -> dict:
 
 
 def _recorded(last: dict) -> str:
-  """The last logged train loss, validation loss and tokens/s, each with
-  its step (`last`: from `_last_recorded`)."""
+  """The last logged train loss, validation loss (and a VLM's answer
+  accuracy) and tokens/s, each with its step (`last`: from
+  `_last_recorded`)."""
   if 'loss' not in last and 'val_loss' not in last:
     return 'no metrics in metrics.jsonl'
   shown = []
   for key, name, fmt in (('loss', 'train loss', '.4f'),
                          ('val_loss', 'validation loss', '.4f'),
+                         ('val_accuracy', 'answer accuracy', '.1%'),
                          ('tokens_per_s', 'tokens/s', ',.0f')):
     if key in last:
       step, value = last[key]

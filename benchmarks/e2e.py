@@ -67,6 +67,9 @@ PRESETS = {
     'llama2_7b': dict(model='llama2_7b', seq=2048, batches=(4,)),
     'llama2_7b_16k': dict(model='llama2_7b', seq=16384, batches=(1,)),
     'qwen3_1.7b': dict(model='qwen3_1.7b', seq=2048, batches=(8,)),
+    # VLMs (bf16 and coat modes; the text length is the shapes data's).
+    'vlm_tiny': dict(model='vlm_tiny', seq=None, batches=(2,)),
+    'vlm_1b': dict(model='vlm_1b', seq=None, batches=(32,)),
 }
 # train.py's overrides of each coat_jax mode (stability.py and fsdp.py run
 # the same modes); 'plain' is benchmarks/plain_llama.py.
@@ -139,21 +142,45 @@ def model_flops(cfg, batch: int, seq: int) -> float:
   return 6 * n * batch * seq + attention
 
 
+def vlm_flops(config, batch: int, task) -> float:
+  """Model FLOPs of one VLM train step: the decoder's (`model_flops` over
+  the image tokens and the text) plus the ViT's (its matmuls, the patch
+  embedding, and non-causal attention: 12 * L * B * P^2 * D) and the
+  projector's."""
+  v, p = config.vision, config.num_image_tokens
+  vit_params = (v.num_layers * (4 * v.hidden_size**2
+                                + 2 * v.hidden_size * v.intermediate_size)
+                + v.patch_features * v.hidden_size)
+  projector = config.projector_size * (v.hidden_size
+                                       + config.decoder.hidden_size)
+  vit = (6 * (vit_params + projector) * batch * p
+         + 12 * v.num_layers * batch * p**2 * v.hidden_size)
+  return model_flops(config.decoder, batch, task.tokens_per_example) + vit
+
+
 # ---------------------------------------------------------------- the point
 
 
-def train_config(preset: str, seq: int, batch: int, mode: str,
+def is_vlm(preset: str) -> bool:
+  return preset.startswith('vlm_')
+
+
+def train_config(preset: str, seq: int | None, batch: int, mode: str,
                  overrides: list[str]):
   """train.py's Config of a point: the preset at (batch, seq), the mode's
   recipe and optimizer (PLAIN_MODES take the model dimensions only), then
-  `overrides`."""
+  `overrides`. A VLM preset (seq None) trains on the shapes data."""
   from coat_jax import models  # noqa: PLC0415
   from coat_jax import training  # noqa: PLC0415
 
-  base = [f'model.preset={preset}', f'data.seq_len={seq}',
-          f'train.batch_size={batch}', 'train.checkpoint_every=0']
-  if seq > models.preset(preset).max_seq_len:
-    base.append(f'model.max_seq_len={seq}')
+  base = [f'model.preset={preset}', f'train.batch_size={batch}',
+          'train.checkpoint_every=0']
+  if is_vlm(preset):
+    base.append('data.source=shapes')
+  else:
+    base.append(f'data.seq_len={seq}')
+    if seq > models.preset(preset).max_seq_len:
+      base.append(f'model.max_seq_len={seq}')
   if mode not in PLAIN_MODES:
     base += MODE_OVERRIDES[mode]
   return training.apply_overrides(training.Config(), base + overrides)
@@ -167,14 +194,20 @@ def run_point(p: dict) -> dict:
   from benchmarks import plain_llama  # noqa: PLC0415
   from benchmarks import step_profile  # noqa: PLC0415
   from coat_jax import training  # noqa: PLC0415
+  from coat_jax.training import config as config_lib  # noqa: PLC0415
   from coat_jax.training import sharding  # noqa: PLC0415
+  from coat_jax.training import tasks  # noqa: PLC0415
   from coat_jax.training import trainer  # noqa: PLC0415
 
   config = train_config(p['preset'], p['seq'], p['batch'], p['mode'],
                         p['overrides'])
   cfg = training.architecture(config.model)
-  tokens = np.random.default_rng(0).integers(
-      0, cfg.vocab_size, (p['batch'], p['seq'] + 1), dtype=np.int32)
+  vlm_config = config_lib.vlm_architecture(config.model)
+  if vlm_config is None:
+    tokens = np.random.default_rng(0).integers(
+        0, cfg.vocab_size, (p['batch'], p['seq'] + 1), dtype=np.int32)
+    tokens_per_step = p['batch'] * p['seq']
+    flops = model_flops(cfg, p['batch'], p['seq'])
   if p['mode'] in PLAIN_MODES:
     init_state, step = plain_llama.build(
         cfg, recipe='coat' if p['mode'] == 'converted' else None)
@@ -184,8 +217,14 @@ def run_point(p: dict) -> dict:
     setup = training.build(config, jax.devices()[:1])  # as plain
     init_state, step = setup.init_state, setup.train_step
     batch_sharding = sharding.batch_sharding(setup.mesh)
-    batch = [trainer.device_batch(x, batch_sharding)
-             for x in (tokens[:, :-1], tokens[:, 1:])]
+    if vlm_config is None:
+      host = (tokens[:, :-1], tokens[:, 1:])
+    else:  # the shapes data's first batch (uint8 images, text, mask)
+      host = tasks.load_data(config, setup.task).batch('train', 0,
+                                                       p['batch'])
+      tokens_per_step = p['batch'] * setup.task.tokens_per_example
+      flops = vlm_flops(vlm_config, p['batch'], setup.task)
+    batch = [trainer.device_batch(x, batch_sharding) for x in host]
     context = jax.set_mesh(setup.mesh)
   with context:
     state = jax.block_until_ready(init_state())
@@ -213,12 +252,11 @@ def run_point(p: dict) -> dict:
           stats.items(), key=lambda kv: -kv[1][0])[:40]]
   device = jax.local_devices()[0]
   stats = device.memory_stats() or {}
-  tokens_per_step = p['batch'] * p['seq']
-  flops = model_flops(cfg, p['batch'], p['seq'])
   return dict(
       device=device.device_kind, jax=jax.__version__,
       step_ms=seconds * 1e3, step_ms_blocked=blocked_s * 1e3,
       tokens_per_s=tokens_per_step / seconds,
+      examples_per_s=p['batch'] / seconds,
       model_tflops=flops / seconds / 1e12, model_flops=flops,
       peak_bytes=stats.get('peak_bytes_in_use'),
       device_bytes=stats.get('bytes_limit'), compile_s=compile_s,
@@ -383,8 +421,8 @@ def _ratio(a, b):
 
 def tables(records: list[dict], batches=None, largest_table=True) -> str:
   """Markdown: each point (of `batches`, default all) with ratios to
-  `plain` at the same batch, then (largest_table) each run's largest batch
-  that fits with ratios to plain's largest."""
+  `plain` (a VLM's: `bf16`) at the same batch, then (largest_table) each
+  run's largest batch that fits with ratios to that baseline's largest."""
   out = []
   groups = {}
   for r in records:
@@ -392,15 +430,18 @@ def tables(records: list[dict], batches=None, largest_table=True) -> str:
   for (preset, seq), rs in groups.items():
     ok = [r for r in rs if r['status'] == 'ok']
     device = ok[0]['device'] if ok else '?'
-    out.append(f'\n### {preset}, seq {seq}: {device}, jax'
+    baseline = 'bf16' if is_vlm(preset) else 'plain'
+    data = ('shapes data, tokens/s of image tokens and text' if is_vlm(preset)
+            else f'seq {seq}, random tokens')
+    out.append(f'\n### {preset}: {device}, jax'
                f' {ok[0]["jax"] if ok else "?"},'
                f' XLA_PYTHON_CLIENT_MEM_FRACTION={rs[0]["mem_fraction"]}'
-               ', random tokens\n')
+               f', {data}\n')
     names = list(dict.fromkeys(r['name'] for r in rs))
-    plain = {r['batch']: r for r in ok if r['name'] == 'plain'}
+    plain = {r['batch']: r for r in ok if r['name'] == baseline}
     profiled = any(r.get('kernel_ms') for r in ok)
-    out.append('| run | batch | tokens/s | vs plain | model TFLOP/s |'
-               ' peak GiB | vs plain | compile s | step ms |'
+    out.append(f'| run | batch | tokens/s | vs {baseline} | model TFLOP/s |'
+               f' peak GiB | vs {baseline} | compile s | step ms |'
                + (' kernels outside GEMM+attention, ms |' if profiled else ''))
     out.append('|---' * (9 + profiled) + '|')
     shown = sorted({r['batch'] for r in rs if batches is None
@@ -437,9 +478,9 @@ def tables(records: list[dict], batches=None, largest_table=True) -> str:
     if largest_table and largest:
       out.append('\nLargest batch that fits (of those tried):\n')
       out.append('| run | largest batch | does not fit | tokens/s |'
-                 ' vs plain at its largest | peak GiB |')
+                 f' vs {baseline} at its largest | peak GiB |')
       out.append('|---|---|---|---|---|---|')
-      base = largest.get('plain', ({}, None))[0]
+      base = largest.get(baseline, ({}, None))[0]
       for name, (r, fail) in largest.items():
         out.append(f'| {name} | {r["batch"]} | {fail or "not found"} |'
                    f' {r["tokens_per_s"]:,.0f} |'
@@ -533,6 +574,10 @@ def main(argv=None) -> int:
     parser.error(str(e))
   preset = PRESETS[args.preset]
   args.model = preset['model']
+  plain = [m for m, _ in runs.values() if m in PLAIN_MODES]
+  if is_vlm(args.model) and plain:
+    parser.error(f'--preset {args.preset} is a VLM: its modes are'
+                 f' {tuple(MODE_OVERRIDES)} (not {plain[0]}).')
   args.seq = args.seq or preset['seq']
   batches = ([int(b) for b in args.batches.split(',')] if args.batches
              else list(preset['batches']))

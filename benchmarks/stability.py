@@ -1,8 +1,10 @@
 """Accuracy across learning rates: final validation loss per variant
-(RESULTS.md "stability").
+(RESULTS.md "stability" and "vlm").
 
   PYTHONPATH=. python benchmarks/stability.py --out-dir runs/stability \\
       --parallel 4 --lrs 1e-3,3e-3 --variants linear=fp8_linear:optim.name=adamw
+  PYTHONPATH=. python benchmarks/stability.py --config configs/vlm_1b.py \\
+      --data shapes --batch 32 --steps 300 --lrs 3e-4 --no-deterministic
 
 Trains the 125m Llama (configs/llama_125m.py) on the default corpus
 (data.source=stdlib: the Python standard library, byte-level) at seq 512,
@@ -10,6 +12,8 @@ batch 16, for 800 steps (warm-up 100, cosine decay to 0.1x), at each
 learning rate and seed, in each variant. Every run is `python train.py` in
 its own process with its run dir under --out-dir/<variant>_lr<lr>_seed<seed>
 (config.json, metrics.jsonl, train.log), so the curves can be re-plotted.
+With --data shapes it trains a VLM config on the shapes questions instead,
+and the report adds the held-out answer accuracy.
 Variants are `name=mode:section.field=value,...` as in benchmarks/e2e.py,
 over the precision overrides of e2e.MODE_OVERRIDES:
 
@@ -74,9 +78,10 @@ def run_name(variant: str, lr: float, seed: int) -> str:
 
 def train_command(args, mode: str, overrides: list[str], lr: float,
                   seed: int, run_dir: str) -> list[str]:
+  data = (['data.source=shapes'] if args.data == 'shapes' else
+          ['data.source=stdlib', f'data.seq_len={args.seq}'])
   return [sys.executable, os.path.join(ROOT, 'train.py'),
-          '--config', args.config, '--set',
-          'data.source=stdlib', f'data.seq_len={args.seq}',
+          '--config', args.config, '--set', *data,
           f'train.batch_size={args.batch}', f'train.steps={args.steps}',
           f'optim.learning_rate={lr}', f'train.seed={seed}',
           f'train.eval_every={args.eval_every}',
@@ -90,13 +95,14 @@ def train_command(args, mode: str, overrides: list[str], lr: float,
 def read_run(run_dir: str) -> dict | None:
   """The run's metadata with its curves: train [(step, loss)], val
   [(step, loss)], final_val (nan unless the last step was evaluated),
-  steps_per_s (median of the logged intervals but the first)."""
+  tokens_per_s (median of the logged intervals but the first); a VLM's
+  also accuracy [(step, held-out answer accuracy)] and final_accuracy."""
   path = os.path.join(run_dir, META)
   if not os.path.exists(path):
     return None
   with open(path) as f:
     run = json.load(f)
-  train, val, rates, nonfinite = [], [], [], 0
+  train, val, accuracy, rates, nonfinite = [], [], [], [], 0
   metrics = os.path.join(run_dir, 'metrics.jsonl')
   if os.path.exists(metrics):
     with open(metrics) as f:
@@ -104,15 +110,21 @@ def read_run(run_dir: str) -> dict | None:
         r = json.loads(line)
         if 'val_loss' in r:
           val.append((r['step'], r['val_loss']))
+          if 'val_accuracy' in r:
+            accuracy.append((r['step'], r['val_accuracy']))
         else:
           train.append((r['step'], r['loss']))
-          rates.append(r['tokens_per_s'] / (run['batch'] * run['seq']))
+          rates.append(r['tokens_per_s'])
           nonfinite = r['nonfinite_steps']
   evaluated = bool(val) and val[-1][0] == run['steps']
   return dict(run, train=train, val=val, evaluated=evaluated,
               final_val=val[-1][1] if evaluated else math.nan,
+              accuracy=accuracy,
+              final_accuracy=(accuracy[-1][1] if evaluated and accuracy
+                              else math.nan),
               nonfinite_steps=nonfinite,
-              steps_per_s=statistics.median(rates[1:] or rates or [math.nan]))
+              tokens_per_s=statistics.median(rates[1:] or rates
+                                             or [math.nan]))
 
 
 def is_finished(run: dict | None) -> bool:
@@ -124,7 +136,9 @@ def is_finished(run: dict | None) -> bool:
 def run_meta(args, name, mode, overrides, lr, seed) -> dict:
   """What a run dir's stability_run.json records before the outcome."""
   return dict(variant=name, mode=mode, overrides=overrides, lr=lr, seed=seed,
-              steps=args.steps, seq=args.seq, batch=args.batch,
+              steps=args.steps, data=args.data,
+              seq=args.seq if args.data == 'stdlib' else None,
+              batch=args.batch,
               config=args.config, set=args.set, eval_every=args.eval_every,
               eval_batches=args.eval_batches,
               deterministic=args.deterministic)
@@ -209,7 +223,7 @@ def run_all(args, variants: dict, lrs: list[float], seeds: list[int]):
       status = ('ok' if is_finished(run) else
                 f'FAILED (exit {proc.returncode}, see {run_dir}/train.log)')
       print(f'  {os.path.basename(run_dir)}: {status}, final val loss'
-            f' {run["final_val"]:.4f}, {run["steps_per_s"]:.1f} steps/s,'
+            f' {run["final_val"]:.4f}, {run["tokens_per_s"]:,.0f} tokens/s,'
             f' {wall:.0f} s wall (imports, compile and evals included)',
             flush=True)
   if todo:
@@ -239,10 +253,12 @@ def report(out_dir: str) -> str:
     finals.setdefault((r['variant'], r['lr']), {})[r['seed']] = r['final_val']
   r0 = runs[0]
   extra = ' --set ' + ' '.join(r0['set']) if r0['set'] else ''
-  lines = [f'{r0["config"]}{extra}: seq {r0["seq"]}, batch'
-           f' {r0["batch"]}, {r0["steps"]} steps, stdlib corpus; final'
-           ' validation loss, mean of seeds (each seed), and the relative'
-           ' difference of the means to bf16', '',
+  data = (f'seq {r0["seq"]}, stdlib corpus' if r0.get('seq') else
+          'the shapes questions')
+  lines = [f'{r0["config"]}{extra}: {data}, batch {r0["batch"]},'
+           f' {r0["steps"]} steps; final validation loss, mean of seeds'
+           ' (each seed), and the relative difference of the means to'
+           ' bf16', '',
            '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
            '|---' * (len(lrs) + 1) + '|']
   for v in variants:
@@ -266,6 +282,7 @@ def report(out_dir: str) -> str:
   lines += ['', 'ok/MISS: within the target of bf16 (0.5% at 1e-3 and'
             ' 3e-3, 1.5% at 1e-2; same seeds on both sides).']
   lines += _paired_table(finals, variants, lrs)
+  lines += _accuracy_table(runs, variants, lrs)
   bad = [r for r in runs if r['nonfinite_steps'] or not math.isfinite(
       r['final_val'])]
   for r in bad:
@@ -313,6 +330,41 @@ def _paired_table(finals: dict, variants: list[str],
           ' mean of two):', '',
           '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
           '|---' * (len(lrs) + 1) + '|', *rows]
+
+
+def _accuracy_table(runs: list[dict], variants: list[str],
+                    lrs: list[float]) -> list[str]:
+  """Markdown lines of a VLM's final held-out answer accuracy: mean of
+  seeds (each seed) and the difference of the means to bf16's in points;
+  [] when no run measured one."""
+  finals = {}
+  for r in runs:
+    if math.isfinite(r.get('final_accuracy', math.nan)):
+      finals.setdefault((r['variant'], r['lr']), {})[r['seed']] = (
+          r['final_accuracy'])
+  if not finals:
+    return []
+  lines = ['', 'Final held-out answer accuracy, mean of seeds (each seed),'
+           ' and the difference of the means to bf16 in points:', '',
+           '| variant | ' + ' | '.join(f'lr {lr:g}' for lr in lrs) + ' |',
+           '|---' * (len(lrs) + 1) + '|']
+  for v in variants:
+    cells = []
+    for lr in lrs:
+      seeds = finals.get((v, lr))
+      if not seeds:
+        cells.append('')
+        continue
+      mean = statistics.mean(seeds.values())
+      cell = (f'{100 * mean:.1f}% ('
+              + ', '.join(f'{100 * seeds[s]:.1f}' for s in sorted(seeds))
+              + ')')
+      ref = finals.get(('bf16', lr))
+      if v != 'bf16' and ref and set(ref) == set(seeds):
+        cell += f' {100 * (mean - statistics.mean(ref.values())):+.1f}'
+      cells.append(cell)
+    lines.append(f'| {v} | ' + ' | '.join(cells) + ' |')
+  return lines
 
 
 def _over_seeds(curves: list[list[tuple[int, float]]]):
@@ -407,6 +459,11 @@ def main(argv=None) -> int:
   parser.add_argument('--eval-every', type=int, default=100)
   parser.add_argument('--eval-batches', type=int, default=16)
   parser.add_argument('--config', default='configs/llama_125m.py')
+  parser.add_argument('--data', default='stdlib', choices=('stdlib',
+                                                           'shapes'),
+                      help="the training data: 'stdlib' at --seq, or"
+                      " 'shapes' (a VLM config's images and questions,"
+                      ' whose text length is fixed; --seq is unused)')
   parser.add_argument('--set', nargs='*', default=[],
                       metavar='SECTION.FIELD=VALUE',
                       help='overrides for every run, before the variant\'s')
@@ -443,7 +500,8 @@ def main(argv=None) -> int:
                 if k in args.only.split(',')}
   if args.parallel < 1:
     parser.error('--parallel must be >= 1.')
-  print(f'stability: {args.config}, seq {args.seq}, batch {args.batch},'
+  print(f'stability: {args.config}, data {args.data}, seq {args.seq},'
+        f' batch {args.batch},'
         f' {args.steps} steps, lrs {lrs}, seeds {seeds}, variants'
         f' {list(variants)}, into {args.out_dir}', flush=True)
   os.makedirs(args.out_dir, exist_ok=True)

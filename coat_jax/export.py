@@ -54,10 +54,16 @@ def export(run_dir: str, out_dir: str, *, dtype: str = 'float32',
   import jax  # noqa: PLC0415
 
   from coat_jax.models import hf  # noqa: PLC0415
+  from coat_jax.training import config as config_lib  # noqa: PLC0415
   from coat_jax.training import trainer  # noqa: PLC0415
   from coat_jax.training.checkpoints import Checkpointer  # noqa: PLC0415
 
   config = load_run_config(run_dir)
+  if config_lib.vlm_architecture(config.model) is not None:
+    raise ValueError(
+        f'{run_dir} trained a vision-language model; export writes a'
+        ' Hugging Face language model: save its decoder yourself with'
+        ' coat_jax.models.save_hf(model.decoder, ...) (docs/vlm.md).')
   # The checkpoint fixes the model and optimizer layout, not the mesh or the
   # batch: spread the state over this machine's devices.
   n = len(jax.devices())

@@ -21,6 +21,7 @@ import jax
 
 from coat_jax.models import sampling
 from coat_jax.training import config as config_lib
+from coat_jax.training import tasks
 from coat_jax.training import tokenizer as tokenizer_lib
 from coat_jax.training import trainer
 from coat_jax.training.checkpoints import Checkpointer
@@ -79,7 +80,12 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   try:
     config, model, step = load_run(args.run_dir)
-    tokenizer = tokenizer_lib.for_data(trainer.data_config(config))
+    if config_lib.vlm_architecture(config.model) is not None:
+      raise ValueError(
+          f'{args.run_dir} trained a vision-language model, which answers'
+          ' questions about images rather than continuing text: use'
+          ' coat_jax.models.vlm.greedy_decode (docs/vlm.md).')
+    tokenizer = tokenizer_lib.for_data(tasks.data_config(config))
     if tokenizer is None:
       raise ValueError(
           f'{args.run_dir} trained on token files (data.source=tokens),'

@@ -301,7 +301,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   `implementation=None` there always means XLA (jax <= 0.11), which saves
   the (B, N, S, S) probabilities; on GPU this asks for cuDNN flash attention
   (saves q, k, v, o and row statistics) and falls back to XLA where cuDNN
-  rejects the shapes or dtypes.
+  rejects the shapes or dtypes, or cannot differentiate them (odd lengths).
 
   Args:
     q: (B, S, N, D); k, v: (B, S, K, D) with N a multiple of K.
@@ -321,7 +321,10 @@ def _causal_attention(q, k, v, *, window=None, scale=None
   True for cuDNN flash attention)."""
   kwargs = dict(is_causal=True, scale=scale,
                 local_window_size=None if window is None else (window - 1, 0))
-  if jax.default_backend() == 'gpu':
+  # cuDNN's flash attention has no backward for odd lengths, and jax says
+  # so only when the step is differentiated, too late to fall back here.
+  if jax.default_backend() == 'gpu' and not (q.shape[1] % 2
+                                             or k.shape[1] % 2):
     try:
       return jax.nn.dot_product_attention(q, k, v, implementation='cudnn',
                                           **kwargs), True

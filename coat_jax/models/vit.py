@@ -107,6 +107,18 @@ class ViTConfig:
     return cls(**{**cls.PRESETS[name], **overrides})
 
 
+# SigLIP's image preprocessing: pixels / 255, less the mean, over the std.
+PIXEL_MEAN = PIXEL_STD = 0.5
+
+
+def normalize(pixels: Any, dtype: Any = np.float32) -> Any:
+  """uint8 pixels (numpy or jax) -> (pixels / 255 - PIXEL_MEAN) /
+  PIXEL_STD in dtype, in [-1, 1] (SigLIP's preprocessing)."""
+  scale = 1 / (255 * PIXEL_STD)
+  x = pixels.astype(np.float32) * np.float32(scale)
+  return (x - np.float32(PIXEL_MEAN / PIXEL_STD)).astype(dtype)
+
+
 def patchify(images: jax.Array, patch_size: int) -> jax.Array:
   """(B, H, W, C) -> (B, H/p * W/p, p * p * C): patches in row-major order
   over the grid, each flattened in (row, column, channel) order."""
@@ -119,7 +131,8 @@ def patchify(images: jax.Array, patch_size: int) -> jax.Array:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   """Non-causal multi-head attention through
   `jax.nn.dot_product_attention`: cuDNN flash attention on GPU where it
-  takes the shapes, XLA elsewhere.
+  takes the shapes (and can differentiate them: an even number of
+  patches), XLA elsewhere.
 
   Args:
     q, k, v: (B, N, heads, head_dim).
@@ -127,7 +140,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   Returns:
     (B, N, heads, head_dim) in q.dtype; softmax scale head_dim ** -0.5.
   """
-  if jax.default_backend() == 'gpu':
+  # cuDNN has no backward for an odd number of patches (SigLIP's 729 at
+  # 384 px), and jax says so only when differentiating: XLA takes those.
+  if jax.default_backend() == 'gpu' and q.shape[1] % 2 == 0:
     try:
       return jax.nn.dot_product_attention(q, k, v, implementation='cudnn')
     except (ValueError, NotImplementedError, RuntimeError, TypeError):

@@ -14,6 +14,7 @@ layers as the recipe says, their GELUs switched to the FP8-saving
 built with the recipe. `VLM.conversion` is the conversion's report.
 """
 
+from collections.abc import Sequence
 import dataclasses
 import functools
 from typing import Any
@@ -145,14 +146,18 @@ class VLM(nnx.Module):
     self.recipe = recipe
 
   def image_tokens(self, images: jax.Array) -> jax.Array:
-    """(B, image_size, image_size, C) -> (B, P, H) in the decoder's dtype."""
+    """(B, image_size, image_size, C) -> (B, P, H) in the decoder's dtype.
+    uint8 images are pixels, normalized here (`vit.normalize`)."""
+    if images.dtype == jnp.uint8:
+      images = vit.normalize(images, self.decoder.dtype)
     return self.projector(self.vision(images)).astype(self.decoder.dtype)
 
-  def hidden_states(self, images: jax.Array, tokens: jax.Array
-                    ) -> jax.Array:
-    """The decoder's final hidden states of the text positions, (B, S, H)."""
+  def hidden_states(self, images: jax.Array, tokens: jax.Array,
+                    layers: Sequence[Any] | None = None) -> jax.Array:
+    """The decoder's final hidden states of the text positions, (B, S, H).
+    `layers`: the decoder's per-layer params (`Decoder.hidden_states`)."""
     prefix = self.image_tokens(images)
-    return self.decoder.hidden_states(tokens, prefix=prefix)[
+    return self.decoder.hidden_states(tokens, layers=layers, prefix=prefix)[
         :, prefix.shape[1]:]
 
   def __call__(self, images: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -165,17 +170,21 @@ class VLM(nnx.Module):
 
 def vlm_loss(model: VLM, images: jax.Array, tokens: jax.Array,
              targets: jax.Array, loss_mask: jax.Array, *,
-             chunk_size: int = 2048) -> jax.Array:
+             chunk_size: int = 2048,
+             layers: Sequence[Any] | None = None) -> jax.Array:
   """Mean next-token cross entropy over the masked text positions.
 
   Args:
     model: a VLM.
-    images: (B, H, W, C) floating images.
+    images: (B, H, W, C) floating images, or uint8 pixels
+      (`VLM.image_tokens`).
     tokens: (B, S) integer text inputs.
     targets: (B, S) integer next tokens.
     loss_mask: (B, S) bool: the positions that count (an answer's tokens
       and its end); the image tokens never do.
     chunk_size: tokens per chunk of float32 logits (`lm_loss`).
+    layers: the decoder's per-layer params of unrolled layers
+      (`Decoder.hidden_states`).
 
   Returns:
     float32 scalar: summed loss / number of masked positions (0 if none).
@@ -188,7 +197,7 @@ def vlm_loss(model: VLM, images: jax.Array, tokens: jax.Array,
   if loss_mask.dtype != jnp.bool_:
     raise TypeError(f'loss_mask has dtype {loss_mask.dtype}; it must be'
                     ' bool (True where a target counts).')
-  hidden = model.hidden_states(images, tokens)
+  hidden = model.hidden_states(images, tokens, layers)
   loss_sum, count = chunked_cross_entropy(
       hidden, model.decoder.head_kernel(), jnp.where(loss_mask, targets, -1),
       chunk_size=chunk_size, dtype=model.decoder.dtype)

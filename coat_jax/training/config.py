@@ -17,6 +17,7 @@ from coat_jax.models import decoder
 from coat_jax.models import families
 from coat_jax.models import hf
 from coat_jax.models import remat as remat_lib
+from coat_jax.models import vlm
 from coat_jax.optim.coat_adam import MOMENT_DTYPES
 
 
@@ -45,7 +46,9 @@ ModelConfig = dataclasses.make_dataclass(
   Hugging Face checkpoint, and the recipe it trains with.
 
   preset: a preset of any family (`coat_jax.models.preset`: 'tiny', '1b',
-    'llama2_7b', 'qwen3_1.7b', 'gemma3_1b', ...).
+    'llama2_7b', 'qwen3_1.7b', 'gemma3_1b', ...), or of a vision-language
+    model (`coat_jax.models.vlm.PRESETS`: 'vlm_tiny', 'vlm_1b'), which
+    trains on data.source=shapes; the other fields then set its decoder's.
   recipe: a `coat_jax.Recipe` or a preset name ('bf16', 'fp8_linear',
     'coat', 'coat_block'); on the command line `model.recipe=coat_block`,
     and a field of it `model.recipe.scaling=block`.
@@ -75,7 +78,19 @@ def architecture(model: Any) -> decoder.DecoderConfig:
   if model.init_from is not None:
     return hf.config_from_hf(hf.read_hf_config(model.init_from), overrides,
                              prefix='model.')
+  if model.preset in vlm.PRESETS:
+    return dataclasses.replace(vlm.PRESETS[model.preset].decoder,
+                               **overrides)
   return families.preset(model.preset, **overrides)
+
+
+def vlm_architecture(model: Any) -> vlm.VLMConfig | None:
+  """The VLMConfig `model` (a ModelConfig) describes, its decoder
+  `architecture(model)`; None for a language model's preset."""
+  if model.init_from is not None or model.preset not in vlm.PRESETS:
+    return None
+  return dataclasses.replace(vlm.PRESETS[model.preset],
+                             decoder=architecture(model))
 
 
 def recipe(model: Any) -> recipes.Recipe:
@@ -110,8 +125,11 @@ class DataConfig:
 
   source: 'stdlib' (the running interpreter's standard library .py files,
   byte-level), 'text' (files or globs in `paths`; bytes, or `tokenizer` =
-  a Hugging Face tokenizer.json) or 'tokens' (pre-tokenized `.npy` or `.bin`
-  files of `token_dtype`, memory-mapped).
+  a Hugging Face tokenizer.json), 'tokens' (pre-tokenized `.npy` or `.bin`
+  files of `token_dtype`, memory-mapped) or 'shapes' (images of coloured
+  shapes with questions and answers, drawn on the host from train.seed:
+  `coat_jax.training.shapes`; for the vision-language presets, whose
+  questions fix the text length, so seq_len and val_fraction are unused).
   """
 
   source: str = 'stdlib'
@@ -120,6 +138,9 @@ class DataConfig:
   token_dtype: str = 'uint16'
   seq_len: int = 128
   val_fraction: float = 0.05
+
+
+SOURCES = ('stdlib', 'text', 'tokens', 'shapes')
 
 
 @dataclasses.dataclass
@@ -408,13 +429,15 @@ def validate(config: Config, num_devices: int) -> None:
         raise ValueError(f'{name} must be a finite number, got {value!r}.')
   m, o, d, t = config.model, config.optim, config.data, config.train
   recipe(m)  # a Recipe, or a preset's name
-  if m.init_from is None and m.preset not in families.presets():
+  known = sorted(families.presets()) + sorted(vlm.PRESETS)
+  if m.init_from is None and m.preset not in known:
     raise ValueError(f'model.preset={m.preset!r} is unknown: use one of'
-                     f' {sorted(families.presets())}.')
+                     f' {known}.')
+  _check_task(m, d)
   if m.remat is not None:
     remat_lib.check_policy(m.remat, 'model.remat')
   _one_of('optim.name', o.name, ('coat_adamw', 'adamw'))
-  _one_of('data.source', d.source, ('stdlib', 'text', 'tokens'))
+  _one_of('data.source', d.source, SOURCES)
   _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))
   _one_of('train.on_nonfinite', t.on_nonfinite, ('skip', 'stop'))
   _one_of('train.on_damaged_checkpoint', t.on_damaged_checkpoint,
@@ -436,7 +459,7 @@ def validate(config: Config, num_devices: int) -> None:
   if o.fused and not can_fuse(o):
     raise ValueError('optim.fused=true needs optim.name=coat_adamw with FP8'
                      f' moments (got {o.name}, {o.moment_dtypes}).')
-  if d.source != 'stdlib' and not d.paths:
+  if d.source in ('text', 'tokens') and not d.paths:
     raise ValueError(f'data.source={d.source!r} needs data.paths (files or'
                      ' globs, comma-separated).')
   sizes = mesh_shape(config.mesh, num_devices)
@@ -450,6 +473,23 @@ def validate(config: Config, num_devices: int) -> None:
         f'the microbatch ({t.batch_size} / {t.microbatches} = {micro}) must be'
         f' divisible by mesh.data x mesh.fsdp = {data_shards}: change'
         ' train.batch_size, train.microbatches or the mesh.')
+
+
+def _check_task(model: Any, data: DataConfig) -> None:
+  """Raises ValueError unless the model and the data are of one task: a
+  vision-language preset on data.source=shapes, a language model on text."""
+  is_vlm = model.init_from is None and model.preset in vlm.PRESETS
+  if is_vlm and data.source != 'shapes':
+    raise ValueError(
+        f'model.preset={model.preset!r} is a vision-language model; it'
+        ' trains on images: set data.source=shapes (got'
+        f' {data.source!r}).')
+  if data.source == 'shapes' and not is_vlm:
+    what = ('model.init_from (a language model)' if model.init_from
+            else f'model.preset={model.preset!r}')
+    raise ValueError(
+        f'data.source=shapes trains a vision-language model, not {what}:'
+        f' set model.preset to one of {sorted(vlm.PRESETS)}.')
 
 
 def _check_run_dir(run_dir: str) -> None:

@@ -6,11 +6,15 @@ seeded by (seed, step), so the order is deterministic and a resumed run picks
 up exactly where it stopped: the data position is the step.
 """
 
+import collections
+from collections.abc import Callable
+import concurrent.futures
 import dataclasses
 import glob
 import hashlib
 import os
 import sysconfig
+from typing import Any
 
 import numpy as np
 
@@ -199,7 +203,7 @@ def load_dataset(config: DataConfig, vocab_size: int, *,
 
   Args:
     config: the data section of the config (data.tokenizer resolved, as
-      `trainer.data_config` does).
+      `tasks.data_config` does).
     vocab_size: the model's vocabulary; every token id must be in
       [0, vocab_size).
     init_from: model.init_from, if the model starts from a checkpoint: its
@@ -276,3 +280,44 @@ def _check_byte_level(config: DataConfig, vocab_size: int,
       f' tokenizer.json> (a tokenizer.json in {init_from} is used by'
       f' itself){convert}, or data.source=tokens with ids from its'
       ' tokenizer.')
+
+
+class Prefetch:
+  """make(i) for i in [start, stop), in order, each made on a background
+  thread while the caller uses the ones before it, at most `depth` ahead.
+
+  For host work (drawing images, gathering windows: numpy, which releases
+  the GIL in its array work) that would otherwise sit between two steps. An
+  exception in make(i) is raised by the `next` that returns i. `close`
+  cancels what is not yet made.
+  """
+
+  def __init__(self, make: Callable[[int], Any], start: int, stop: int,
+               depth: int = 2):
+    if depth < 1:
+      raise ValueError(f'depth={depth} must be >= 1.')
+    self._make, self._next, self._stop = make, start, stop
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix='coat_jax_batches')
+    self._made = collections.deque()
+    for _ in range(depth):
+      self._submit()
+
+  def _submit(self) -> None:
+    if self._next < self._stop:
+      self._made.append(self._pool.submit(self._make, self._next))
+      self._next += 1
+
+  def __iter__(self) -> 'Prefetch':
+    return self
+
+  def __next__(self) -> Any:
+    if not self._made:
+      raise StopIteration
+    future = self._made.popleft()
+    self._submit()
+    return future.result()
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True, cancel_futures=True)
+    self._made.clear()

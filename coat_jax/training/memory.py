@@ -12,7 +12,6 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from coat_jax import recipes
@@ -100,15 +99,14 @@ def compile_train_step(setup: Any, compiler_options: dict | None = None):
   """The train step of `setup` (a `trainer.Setup`) compiled for abstract
   state and batches: nothing is initialized or transferred.
   compiler_options: XLA's, as `jax.stages.Lowered.compile` takes them."""
-  c = setup.config
-  batch = jax.ShapeDtypeStruct(
-      (c.train.batch_size, c.data.seq_len), jnp.int32,
-      sharding=sharding.batch_sharding(setup.mesh))
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  batch = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
+           for x in setup.task.batch_shapes(setup.config.train.batch_size)]
   state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       setup.abstract_state, setup.state_shardings)
   with jax.set_mesh(setup.mesh):
-    return setup.lower_train_step(state, batch, batch).compile(
+    return setup.lower_train_step(state, *batch).compile(
         compiler_options)
 
 

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from coat_jax.models import vit
 from coat_jax.models import vlm
 
 COLORS = {'red': (230, 25, 75), 'green': (60, 180, 75),
@@ -57,7 +58,6 @@ SPLITS = ('train', 'val')
 # One scene layout in HELD_OUT is the held-out split's (`held_out`).
 HELD_OUT = 8
 # Pixels to [-1, 1]: (x / 255 - 0.5) / 0.5, SigLIP's normalization.
-PIXEL_MEAN = PIXEL_STD = 0.5
 
 _RGB = np.array(list(COLORS.values()), np.uint8)
 # Whether pixels at offsets (dy, dx) from a shape's centre are inside it,
@@ -135,12 +135,16 @@ class ShapesDataset:
   Attributes:
     image_size: height and width S of the images, in pixels (>= 30).
     max_objects: most shapes in an image, 1 to 9.
+    text_len: text tokens per example, PAD after the answer (None: the
+      fewest, question_len + answer_len); a VLM pads so that its image
+      tokens and text fill a length its attention kernels take.
   """
 
   vocab_size: ClassVar[int] = BYTE_VOCAB
 
   image_size: int = 32
   max_objects: int = 4
+  text_len: int | None = None
 
   def __post_init__(self):
     if (not isinstance(self.image_size, int)
@@ -152,6 +156,12 @@ class ShapesDataset:
         or not 1 <= self.max_objects <= GRID ** 2):
       raise ValueError(f'max_objects={self.max_objects!r} must be an int in'
                        f' [1, {GRID ** 2}] (one shape a grid cell).')
+    fewest = self.question_len + self.answer_len
+    if self.text_len is not None and (
+        not isinstance(self.text_len, int) or self.text_len < fewest):
+      raise ValueError(f'text_len={self.text_len!r} must be an int >='
+                       f' {fewest} (the longest question and answer), or'
+                       ' None.')
 
   @property
   def question_len(self) -> int:
@@ -169,8 +179,8 @@ class ShapesDataset:
 
   @property
   def seq_len(self) -> int:
-    """Text tokens T of a batch: question_len + answer_len."""
-    return self.question_len + self.answer_len
+    """Text tokens T of a batch: text_len, or question_len + answer_len."""
+    return self.text_len or self.question_len + self.answer_len
 
   @property
   def cell(self) -> int:
@@ -261,23 +271,23 @@ class ShapesDataset:
 
   def encode(self, sample: Sample, dtype: Any = np.float32) -> Batch:
     """The `Batch` of a `Sample`: images normalized in `dtype` (np.uint8:
-    the pixels as they are, to normalize on the device with `normalize`,
+    the pixels as they are, to normalize on the device with `vit.normalize`,
     a quarter of float32's bytes to transfer), text as bytes."""
-    lq, la = self.question_len, self.answer_len
+    lq = self.question_len
     rows = b''.join(
         q.encode().rjust(lq, bytes([PAD]))
-        + (a.encode() + bytes([END])).ljust(la, bytes([PAD]))
+        + (a.encode() + bytes([END])).ljust(self.seq_len - lq, bytes([PAD]))
         for q, a in zip(sample.questions, sample.answers, strict=True))
-    tokens = np.frombuffer(rows, np.uint8).reshape(-1, lq + la)
+    tokens = np.frombuffer(rows, np.uint8).reshape(-1, self.seq_len)
     tokens = tokens.astype(np.int32)
     targets = np.concatenate(
         [tokens[:, 1:], np.full((len(tokens), 1), PAD, np.int32)], axis=1)
     answer = np.array([len(a) for a in sample.answers])
-    t = np.arange(lq + la)[None]
+    t = np.arange(self.seq_len)[None]
     # Position t predicts token t + 1: the answer's bytes and END.
     loss_mask = (t >= lq - 1) & (t < lq + answer[:, None])
     images = (sample.pixels if np.dtype(dtype) == np.uint8
-              else normalize(sample.pixels, dtype))
+              else vit.normalize(sample.pixels, dtype))
     return Batch(images, tokens, targets, loss_mask)
 
   def batch(self, split: str, seed: int, index: int, batch_size: int,
@@ -308,14 +318,6 @@ def held_out(scenes: Scenes) -> np.ndarray:
   x *= np.uint64(0x94D049BB133111EB)
   x ^= x >> np.uint64(31)
   return x % np.uint64(HELD_OUT) == 0
-
-
-def normalize(pixels: Any, dtype: Any = np.float32) -> Any:
-  """uint8 pixels (numpy or jax) -> (pixels / 255 - PIXEL_MEAN) /
-  PIXEL_STD in dtype, in [-1, 1]."""
-  scale = 1 / (255 * PIXEL_STD)
-  x = pixels.astype(np.float32) * np.float32(scale)
-  return (x - np.float32(PIXEL_MEAN / PIXEL_STD)).astype(dtype)
 
 
 def _question(kind: str, *names: str) -> str:
@@ -392,7 +394,7 @@ def answer_accuracy(model: vlm.VLM, dataset: ShapesDataset, seed: int, *,
     got = np.asarray(vlm.greedy_decode(
         model, batch.images, batch.tokens[:, :lq], la,
         vocab_limit=BYTE_VOCAB))
-    want = batch.tokens[:, lq:]
+    want = batch.tokens[:, lq:lq + la]
     counted = batch.loss_mask[:, lq - 1:lq - 1 + la]
     right += int(np.all((got == want) | ~counted, axis=1).sum())
   return right / (num_batches * batch_size)

@@ -19,10 +19,8 @@ import tqdm
 
 from coat_jax import optim
 from coat_jax.models import decoder
-from coat_jax.models import families
 from coat_jax.models import hf
 from coat_jax.models import remat as remat_lib
-from coat_jax.models import sampling
 from coat_jax.training import checkpoints as checkpoints_lib
 from coat_jax.training import compilation_cache
 from coat_jax.training import config as config_lib
@@ -30,7 +28,7 @@ from coat_jax.training import data as data_lib
 from coat_jax.training import memory
 from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import sharding
-from coat_jax.training import tokenizer as tokenizer_lib
+from coat_jax.training import tasks
 from coat_jax.training.checkpoints import Checkpointer
 import pallas_kernels
 
@@ -38,17 +36,6 @@ import pallas_kernels
 class NonFiniteError(RuntimeError):
   """Raised with train.on_nonfinite='stop' when a step's loss or grads are not
   finite; the state was left as it was before that step."""
-
-
-def data_config(config: config_lib.Config) -> config_lib.DataConfig:
-  """config.data, with data.source=text reading model.init_from's
-  tokenizer.json when data.tokenizer is unset and that file exists."""
-  d, init_from = config.data, config.model.init_from
-  if d.source == 'text' and d.tokenizer is None and init_from is not None:
-    tokenizer = os.path.join(init_from, 'tokenizer.json')
-    if os.path.isfile(tokenizer):
-      return dataclasses.replace(d, tokenizer=tokenizer)
-  return d
 
 
 def _adamw_args(config: config_lib.Config) -> dict:
@@ -109,14 +96,15 @@ class Setup:
   """Everything a run needs that is not the mutable train state."""
 
   config: config_lib.Config
+  task: tasks.Task
   mesh: jax.sharding.Mesh
-  architecture: decoder.DecoderConfig
+  architecture: decoder.DecoderConfig  # the task's decoder
   graphdef: Any
   tx: optax.GradientTransformation
   state_shardings: Any
   abstract_state: Any
   init_state: Any  # () -> state, placed with the state shardings.
-  # (state, inputs, targets) -> (state, metrics). On several devices its
+  # (state, *batch) -> (state, metrics). On several devices its
   # jit carries XLA compiler options (`collective_options`): call it at top
   # level (jax refuses them inside another jit or trace).
   train_step: Any
@@ -135,12 +123,20 @@ _DETERMINISTIC_FLAGS = ('--xla_gpu_deterministic_ops',
 
 
 def check_deterministic_layers(model: decoder.DecoderConfig,
-                               platform: str) -> None:
+                               platform: str, vision_layers: int = 0
+                               ) -> None:
   """Raises ValueError naming the fix where XLA_FLAGS asks for XLA's
-  deterministic GPU ops and the step would run unrolled layers there."""
+  deterministic GPU ops and the step would run unrolled layers there
+  (vision_layers: a VLM's ViT layers, always unrolled)."""
   flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
            if f.split('=')[0] in _DETERMINISTIC_FLAGS
            and f.split('=', 1)[-1].lower() not in ('false', '0')]
+  if flags and platform == 'gpu' and vision_layers > 1:
+    raise ValueError(
+        f'XLA_FLAGS has {flags[0]}, under which jax 0.11.2 fails at the'
+        ' first step with unrolled layers (cuDNN flash attention\'s backward'
+        ' more than once in one program), and a VLM\'s ViT layers are'
+        ' unrolled: drop the flag.')
   if flags and platform == 'gpu' and model.num_layers > 1 and not (
       model.scan_layers):
     raise ValueError(
@@ -169,20 +165,18 @@ def collective_options(num_devices: int, xla_flags: str = '') -> dict:
 
 
 def model_factory(config: config_lib.Config
-                  ) -> tuple[families.Family, decoder.DecoderConfig, Any]:
-  """(the family, its config, make_model) of config.model: make_model()
-  builds the model (random params from train.seed), unplaced."""
-  arch = config_lib.architecture(config.model)
-  family = families.of_config(arch)
+                  ) -> tuple[tasks.Task, Any]:
+  """(the task, make_model) of config: make_model() builds the model
+  (random params from train.seed), unplaced."""
+  task = tasks.of_config(config)
   recipe = config_lib.recipe(config.model)
 
   def make_model():
     # Placement comes from this module's fitted rules, not from eager
     # sharding by the logical names.
     with nnx.use_eager_sharding(False):
-      return family.model(arch, recipe=recipe,
-                          rngs=nnx.Rngs(config.train.seed))
-  return family, arch, make_model
+      return task.make_model(recipe, nnx.Rngs(config.train.seed))
+  return task, make_model
 
 
 def _state_shardings(config, mesh, abstract_model, abstract_state):
@@ -205,8 +199,8 @@ def _state_shardings(config, mesh, abstract_model, abstract_state):
   return sharding.named(mesh, specs, abstract_state)
 
 
-def _loss_and_grads(family, graphdef, num_layers: int, per_layer: bool):
-  """(params, inputs, targets) -> (loss, grads) of `family.loss`.
+def _loss_and_grads(task: tasks.Task, graphdef, per_layer: bool):
+  """(params, *batch) -> (loss, grads) of `task.loss`.
 
   per_layer (unrolled layers, fused optimizer): the decoder layers' params
   enter the loss as num_layers per-layer trees, so each stacked leaf's
@@ -215,25 +209,26 @@ def _loss_and_grads(family, graphdef, num_layers: int, per_layer: bool):
   where the fused optimizer's Pallas kernel runs, each layer then steps in
   place (RESULTS.md "e2e-1b").
   """
-  def loss_fn(params, inputs, targets):
-    return family.loss(nnx.merge(graphdef, params), inputs, targets)
+  def loss_fn(params, *batch):
+    return task.loss(nnx.merge(graphdef, params), *batch)
 
   if not per_layer:
     return jax.value_and_grad(loss_fn)
 
-  def loss_and_grads(params, inputs, targets):
-    stacked = params[LAYERS]
-    rest = {k: v for k, v in params.items() if k != LAYERS}
+  def loss_and_grads(params, *batch):
+    path = task.layers_path
+    stacked = _get(params, path)
+    rest = _replace(params, path, None)  # None: a subtree without leaves
     layers = [jax.tree.map(lambda a, i=i: a[i], stacked)
-              for i in range(num_layers)]
+              for i in range(task.decoder.num_layers)]
 
     def loss_of(rest, layers):
-      model = nnx.merge(graphdef, {**rest, LAYERS: stacked})
-      return family.loss(model, inputs, targets, layers=layers)
+      model = nnx.merge(graphdef, _replace(rest, path, stacked))
+      return task.loss(model, *batch, layers=layers)
 
     loss, (grads, layer_grads) = jax.value_and_grad(
         loss_of, argnums=(0, 1))(rest, layers)
-    grads[LAYERS] = jax.tree.map(lambda *g: g, *layer_grads)
+    grads = _replace(grads, path, jax.tree.map(lambda *g: g, *layer_grads))
     return loss, grads
 
   return loss_and_grads
@@ -244,10 +239,10 @@ def _accumulated(loss_and_grads, n: int, micro_sharding):
   if n == 1:
     return loss_and_grads
 
-  def mean_over_microbatches(params, inputs, targets):
+  def mean_over_microbatches(params, *batch):
     split = lambda x: jax.lax.with_sharding_constraint(
         x.reshape((n, x.shape[0] // n) + x.shape[1:]), micro_sharding)
-    batches = (split(inputs), split(targets))
+    batches = tuple(split(x) for x in batch)
 
     def accumulate(carry, batch):
       return jax.tree.map(jnp.add, carry,
@@ -264,12 +259,12 @@ def _accumulated(loss_and_grads, n: int, micro_sharding):
 
 
 def _train_step(loss_and_grads, tx, fused_update):
-  """(state, inputs, targets) -> (state, metrics): one optimizer step; a
-  step whose loss or gradient norm is not finite changes nothing but the
-  step and the fault count."""
-  def train_step(state, inputs, targets):
+  """(state, *batch) -> (state, metrics): one optimizer step; a step whose
+  loss or gradient norm is not finite changes nothing but the step and the
+  fault count."""
+  def train_step(state, *batch):
     params = state['params']
-    loss, grads = loss_and_grads(params, inputs, targets)
+    loss, grads = loss_and_grads(params, *batch)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if fused_update is None:
@@ -292,19 +287,31 @@ def _train_step(loss_and_grads, tx, fused_update):
   return train_step
 
 
-# The decoder's stacked layer params (`decoder.Decoder.layers`).
-LAYERS = 'layers'
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _replace(tree: dict, path: tuple[str, ...], value: Any) -> dict:
+  """`tree` with the subtree at `path` replaced (dicts copied on the way)."""
+  if not path:
+    return value
+  return {**tree, path[0]: _replace(tree[path[0]], path[1:], value)}
 
 
 def build(config: config_lib.Config, devices=None) -> Setup:
   """Builds the mesh, model, optimizer and jitted steps for `config`."""
   devices = jax.devices() if devices is None else devices
   config_lib.validate(config, len(devices))
-  family, arch, make_model = model_factory(config)
+  task, make_model = model_factory(config)
+  arch = task.decoder
   recipe = config_lib.recipe(config.model)
   remat_lib.jax_policy(remat_lib.resolve(  # offloading needs a GPU
       arch.remat, recipe, arch.scan_layers))
-  check_deterministic_layers(arch, devices[0].platform)
+  vision = config_lib.vlm_architecture(config.model)
+  check_deterministic_layers(arch, devices[0].platform,
+                             vision.vision.num_layers if vision else 0)
   mesh = sharding.make_mesh(
       config_lib.mesh_shape(config.mesh, len(devices)), devices)
 
@@ -336,7 +343,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
     params = hf.load_hf_params(config.model.init_from,
                                abstract_state['params'],
                                state_shardings['params'],
-                               norm_names=family.norm_names)
+                               norm_names=task.family.norm_names)
     return jax.jit(new_state, out_shardings=state_shardings,
                    donate_argnums=0)(params)
 
@@ -350,27 +357,29 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, None))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   loss_and_grads = _accumulated(
-      _loss_and_grads(family, graphdef, arch.num_layers,
+      _loss_and_grads(task, graphdef,
                       per_layer=uses_fused and not arch.scan_layers),
       config.train.microbatches, micro_sharding)
+  batch_shardings = (batch_sharding,) * len(task.batch_shapes(1))
 
-  def eval_step(params, inputs, targets):
-    return family.loss(nnx.merge(graphdef, params), inputs, targets)
+  def eval_step(params, *batch):
+    return task.loss(nnx.merge(graphdef, params), *batch)
 
   train_step = jax.jit(
       _train_step(loss_and_grads, tx, fused_update),
-      in_shardings=(state_shardings, batch_sharding, batch_sharding),
+      in_shardings=(state_shardings, *batch_shardings),
       out_shardings=(state_shardings, replicated), donate_argnums=0,
       compiler_options=collective_options(
           mesh.size, os.environ.get('XLA_FLAGS', '')))
   return Setup(
-      config=config, mesh=mesh, architecture=arch, graphdef=graphdef, tx=tx,
+      config=config, task=task, mesh=mesh, architecture=arch,
+      graphdef=graphdef, tx=tx,
       state_shardings=state_shardings, abstract_state=abstract_state,
       init_state=init_state,
       train_step=train_step,
       eval_step=jax.jit(
-          eval_step, in_shardings=(state_shardings['params'], batch_sharding,
-                                   batch_sharding),
+          eval_step, in_shardings=(state_shardings['params'],
+                                   *batch_shardings),
           out_shardings=replicated),
       lower_train_step=train_step.lower,
   )
@@ -435,8 +444,9 @@ def train(config: config_lib.Config, devices=None) -> dict:
   records of the steps it replays. A run whose checkpoint already reached
   train.steps trains nothing: `summary['complete']` is True and the losses
   and tokens/s are the last ones metrics.jsonl recorded. A run that trained
-  ends with `summary['sample']`, a greedy continuation of train.sample_prompt
-  (None when train.sample_tokens=0 or the data has no tokenizer).
+  ends with `summary['sample']` (`tasks.sample`: a greedy continuation of
+  train.sample_prompt, or a VLM's answer to a held-out question).
+  Evaluation adds `summary['val_accuracy']` for a VLM.
   `summary['compile_s']` is how long the step took to lower and compile
   (None if it did not); jax's persistent cache in
   train.compilation_cache_dir (`compilation_cache.use_compilation_cache`)
@@ -461,10 +471,7 @@ def _train(config: config_lib.Config, devices) -> dict:
   setup = build(config, devices)
   # The data is read and checked before the step compiles: its errors come
   # at once.
-  data = data_config(config)
-  dataset = data_lib.load_dataset(data, setup.architecture.vocab_size,
-                                  init_from=config.model.init_from)
-  tokenizer = tokenizer_lib.for_data(data)
+  data = tasks.load_data(config, setup.task)
   if lead and not t.save_checkpoints:
     print(_NO_CHECKPOINTS_WARNING, file=sys.stderr, flush=True)
   done = checkpoints_lib.latest_step_on_disk(t.run_dir)
@@ -494,16 +501,19 @@ def _train(config: config_lib.Config, devices) -> dict:
     resumed_from, state = _start_state(setup, checkpointer, lead)
     log.drop_after(int(state['step']))
     batch_sharding = sharding.batch_sharding(setup.mesh)
-    seq, bs = config.data.seq_len, t.batch_size
+    bs = t.batch_size
+    tokens_per_step = bs * setup.task.tokens_per_example
 
     def batch(split, index):
-      x, y = dataset.batch(split, t.seed, index, bs, seq)
-      return device_batch(x, batch_sharding), device_batch(y, batch_sharding)
+      return tuple(device_batch(x, batch_sharding)
+                   for x in data.batch(split, index, bs))
 
     def evaluate():
       losses = [setup.eval_step(state['params'], *batch('val', i))
                 for i in range(t.eval_batches)]
-      return float(np.mean(jax.device_get(losses)))
+      model = nnx.merge(setup.graphdef, state['params'])
+      return {'val_loss': float(np.mean(jax.device_get(losses))),
+              **tasks.evaluate_more(setup.task, config, model)}
 
     step = start_step = int(state['step'])
     bar = tqdm.tqdm(total=t.steps, initial=step, disable=not (
@@ -517,9 +527,13 @@ def _train(config: config_lib.Config, devices) -> dict:
                'tokens_per_s': math.nan}
     recent, tick, tick_step = [], time.perf_counter(), step
     stop = _StopSignals()
+    # The host makes the next batches while the device runs the step.
+    batches = data_lib.Prefetch(
+        lambda i: data.batch('train', i, bs), step, t.steps)
     try:
       while step < t.steps and stop.signal is None:
-        state, metrics = setup.train_step(state, *batch('train', step))
+        state, metrics = setup.train_step(
+            state, *(device_batch(x, batch_sharding) for x in next(batches)))
         step += 1
         bar.update(1)
         if t.on_nonfinite == 'stop' and not bool(metrics['finite']):
@@ -530,7 +544,7 @@ def _train(config: config_lib.Config, devices) -> dict:
         if step % t.log_every == 0 or step == t.steps:
           metrics = jax.device_get(metrics)
           now = time.perf_counter()
-          tok_s = (step - tick_step) * bs * seq / (now - tick)
+          tok_s = (step - tick_step) * tokens_per_step / (now - tick)
           tick, tick_step = now, step
           recent.append(float(metrics['loss']))
           log.write(step, loss=float(metrics['loss']),
@@ -542,21 +556,24 @@ def _train(config: config_lib.Config, devices) -> dict:
           bar.set_postfix(loss=f'{recent[-1]:.3f}', tok_s=f'{tok_s:,.0f}')
           summary['tokens_per_s'] = tok_s
         if step % t.eval_every == 0 or step == t.steps:
-          val = evaluate()
-          summary['val_loss'] = val
-          log.write(step, val_loss=val)
-          bar.write(f'step {step}: validation loss {val:.4f}')
+          evaluation = evaluate()
+          summary.update(evaluation)
+          log.write(step, **evaluation)
+          bar.write(f'step {step}: ' + _evaluation_text(evaluation))
         if _save_due(t, step):
           _save(checkpointer, step, state)
       if stop.signal is not None:
         raise KeyboardInterrupt
-      if step > start_step and t.sample_tokens and tokenizer is not None:
-        summary['sample'] = _sample(setup, state['params'], tokenizer, t)
+      if step > start_step:
+        summary['sample'] = tasks.sample(
+            setup.task, config, nnx.merge(setup.graphdef, state['params']),
+            data)
     except KeyboardInterrupt:  # stop.signal, or a second Ctrl-C
       summary.update(interrupted=True,
                      signal=int(stop.signal or signal.SIGINT))
       bar.write(_save_on_stop(checkpointer, state, summary['signal'], t))
     finally:
+      batches.close()
       stop.restore()
       bar.close()
       log.close()
@@ -571,15 +588,12 @@ def _train(config: config_lib.Config, devices) -> dict:
   return summary
 
 
-def _sample(setup: Setup, params: Any, tokenizer: Any,
-            t: config_lib.TrainConfig) -> str:
-  """train.sample_prompt continued greedily by train.sample_tokens."""
-  model = nnx.merge(setup.graphdef, params)
-  prompt = tokenizer.encode(t.sample_prompt)
-  room = model.config.max_seq_len - len(prompt)
-  new = sampling.generate(model, prompt, min(t.sample_tokens, max(room, 0)),
-                          vocab_limit=tokenizer.vocab_size)
-  return t.sample_prompt + tokenizer.decode(new)
+def _evaluation_text(evaluation: dict) -> str:
+  """'validation loss 1.2345' (', answer accuracy 87.5%' for a VLM)."""
+  text = f"validation loss {evaluation['val_loss']:.4f}"
+  if 'val_accuracy' in evaluation:
+    text += f", answer accuracy {evaluation['val_accuracy']:.1%}"
+  return text
 
 
 def _last_recorded(run_dir: str) -> dict:
@@ -591,6 +605,7 @@ def _last_recorded(run_dir: str) -> dict:
     last = {}
   out = {'last_recorded': last}
   for key, summary_key in (('loss', 'train_loss'), ('val_loss', 'val_loss'),
+                           ('val_accuracy', 'val_accuracy'),
                            ('tokens_per_s', 'tokens_per_s')):
     if key in last:
       out[summary_key] = last[key][1]

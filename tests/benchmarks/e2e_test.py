@@ -4,11 +4,14 @@ import json
 
 from flax import nnx
 import jax
+import numpy as np
 import pytest
 
 from benchmarks import e2e
 from coat_jax import models
 from coat_jax import recipes
+from coat_jax.models import vlm
+from coat_jax.training import tasks
 
 
 def test_parse_variant_keeps_tuple_values():
@@ -164,3 +167,47 @@ def test_train_config_applies_the_mode_then_the_overrides():
   assert config.model.recipe == recipes.BF16
   assert config.optim.name == 'coat_adamw'
   assert config.model.max_seq_len == 4096
+
+
+def test_a_vlm_point_trains_on_the_shapes_data_and_counts_image_tokens():
+  config = e2e.train_config('vlm_tiny', None, 2, 'coat', [])
+  assert config.data.source == 'shapes' and config.model.preset == 'vlm_tiny'
+  p = dict(name='coat', mode='coat', preset='vlm_tiny', seq=None, batch=2,
+           overrides=[], profile=False, steps=2, mem_fraction=0.97)
+  r = e2e.run_point(p)
+  text = tasks.shapes_dataset(vlm.VLMConfig.preset('vlm_tiny')).seq_len
+  positions = (32 // 8) ** 2 + text
+  assert r['tokens_per_s'] == pytest.approx(
+      2 * positions / (r['step_ms'] / 1e3))
+  assert r['examples_per_s'] == pytest.approx(2 / (r['step_ms'] / 1e3))
+  assert np.isfinite(r['loss'])
+  with pytest.raises(SystemExit):
+    e2e.main(['--preset', 'vlm_tiny', '--modes', 'plain,coat'])
+
+
+def test_vlm_flops_add_the_vits_matmuls_and_attention_to_the_decoders():
+  config = vlm.VLMConfig.preset('vlm_tiny')
+  task = tasks.of_config(e2e.train_config('vlm_tiny', None, 2, 'coat', []))
+  v = config.vision
+  model = nnx.eval_shape(lambda: vlm.VLM(config, recipe='bf16',
+                                          rngs=nnx.Rngs(0)))
+  kernels = [x.size for path, x in nnx.to_flat_state(
+      nnx.state(model.vision, nnx.Param))
+             if path[-1] == 'kernel' and x.ndim == 2]
+  projector = sum(x.size for x in jax.tree.leaves(
+      nnx.state(model.projector, nnx.Param)) if x.ndim == 2)
+  b, p = 3, config.num_image_tokens
+  vit = (6 * (sum(kernels) + projector) * b * p
+         + 12 * v.num_layers * b * p * p * v.hidden_size)
+  assert e2e.vlm_flops(config, b, task) == pytest.approx(
+      e2e.model_flops(config.decoder, b, task.tokens_per_example) + vit)
+
+
+def test_vlm_tables_compare_with_bf16():
+  records = [dict(_record('bf16', 32, tok=1000.0, peak=4 * 2**30),
+                  preset='vlm_1b', seq=None),
+             dict(_record('coat', 32, tok=1300.0, peak=2 * 2**30),
+                  preset='vlm_1b', seq=None)]
+  text = e2e.tables(records)
+  assert 'vs bf16' in text and 'shapes data' in text
+  assert '| coat | 32 | 1,300 | 1.30x | 1.0 | 2.0 | 0.50x |' in text

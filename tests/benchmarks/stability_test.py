@@ -20,7 +20,7 @@ def test_variants_default_to_bf16_and_coat():
 
 
 def _fake_run(out_dir, variant, lr, seed, final, *, steps=100, nonfinite=0,
-              returncode=0):
+              returncode=0, accuracy=None):
   run_dir = os.path.join(out_dir, stability.run_name(variant, lr, seed))
   os.makedirs(run_dir)
   with open(os.path.join(run_dir, stability.META), 'w') as f:
@@ -35,7 +35,8 @@ def _fake_run(out_dir, variant, lr, seed, final, *, steps=100, nonfinite=0,
                               nonfinite_steps=nonfinite)) + '\n')
     f.write(json.dumps(dict(step=50, val_loss=(final or 2.0) + 1)) + '\n')
     if final is not None:
-      f.write(json.dumps(dict(step=steps, val_loss=final)) + '\n')
+      f.write(json.dumps(dict(step=steps, val_loss=final, **(
+          {} if accuracy is None else {'val_accuracy': accuracy}))) + '\n')
   return run_dir
 
 
@@ -84,8 +85,9 @@ def test_curves_over_seeds_end_where_a_seed_diverged():
 def test_unfinished_runs_are_not_finished(tmp_path):
   done = stability.read_run(_fake_run(str(tmp_path), 'bf16', 1e-3, 0, 2.0))
   assert stability.is_finished(done)
-  # Steps/s: the median of the intervals after the first, 16/20/24 / (2*8).
-  assert done['steps_per_s'] == 20.0 / 16
+  # Tokens/s: the median of the intervals after the first, 16/20/24.
+  assert done['tokens_per_s'] == 20.0
+  assert done['accuracy'] == [] and math.isnan(done['final_accuracy'])
   cut = stability.read_run(_fake_run(str(tmp_path), 'bf16', 1e-3, 1, None))
   assert math.isnan(cut['final_val']) and not stability.is_finished(cut)
   failed = stability.read_run(
@@ -150,3 +152,25 @@ def test_budget_stops_starting_runs(monkeypatch, tmp_path, capsys):
   assert 'holds a run with other settings ([\'steps\'])' in (
       capsys.readouterr().err)
   assert len(started) == 3
+
+
+def test_report_gives_a_vlms_answer_accuracy_against_bf16(tmp_path):
+  out = str(tmp_path)
+  for seed, (ref, coat) in enumerate([(0.80, 0.82), (0.90, 0.87)]):
+    _fake_run(out, 'bf16', 3e-4, seed, 2.0, accuracy=ref)
+    _fake_run(out, 'coat', 3e-4, seed, 2.0, accuracy=coat)
+  text = stability.report(out)
+  assert '| bf16 | 85.0% (80.0, 90.0) |' in text
+  # Means 84.5% vs 85.0%: -0.5 points.
+  assert '| coat | 84.5% (82.0, 87.0) -0.5 |' in text
+  assert stability.read_run(os.path.join(
+      out, stability.run_name('coat', 3e-4, 1)))['final_accuracy'] == 0.87
+
+
+def test_shapes_runs_name_their_data_and_no_seq_len():
+  args = stability.argparse.Namespace(
+      config='configs/vlm_1b.py', data='shapes', seq=512, batch=32,
+      steps=10, eval_every=5, eval_batches=2, deterministic=False, set=[])
+  cmd = stability.train_command(args, 'coat', [], 3e-4, 1, 'runs/x')
+  assert 'data.source=shapes' in cmd
+  assert not any(c.startswith('data.seq_len') for c in cmd)

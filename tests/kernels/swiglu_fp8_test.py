@@ -281,7 +281,8 @@ def test_fp8_swiglu_gradients_through_the_kernels(pick_pallas):
   from coat_jax.nn import activations  # pylint: disable=g-import-not-at-top
   gate, up = _data((2, 3, 48), seed=15, mag=4.0), _data((2, 3, 48), seed=16)
   w = _data((2, 3, 48), seed=17)
-  loss = lambda g, u: jnp.sum((activations.fp8_swiglu(g, u) * w).astype(jnp.float32))
+  loss = lambda g, u: jnp.sum(
+      (activations.fp8_swiglu(g, u) * w).astype(jnp.float32))
   f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   ref = f(gate, up)
   pick_pallas()

@@ -567,3 +567,27 @@ def test_train_step_memory_analysis():
   # 1098 MiB for bf16, fp8_linear and coat).
   assert stats['coat'] < stats['fp8_linear'] < stats['bf16']
   assert stats['coat'] < 0.75 * stats['bf16']
+
+
+@pytest.mark.parametrize('seq, asks_cudnn', [(8, True), (7, False)])
+def test_gpu_attention_sends_odd_lengths_to_xla(monkeypatch, seq,
+                                                asks_cudnn):
+  """cuDNN flash attention cannot differentiate odd lengths and jax says so
+  only under grad: on GPU an odd length never asks for it."""
+  from coat_jax.models import decoder  # noqa: PLC0415
+  from coat_jax.models import vit  # noqa: PLC0415
+  asked = []
+  xla = jax.nn.dot_product_attention
+
+  def spy(*args, implementation=None, **kwargs):
+    asked.append(implementation)
+    return xla(*args, **kwargs)
+
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  monkeypatch.setattr(jax.nn, 'dot_product_attention', spy)
+  q = jax.random.normal(jax.random.key(0), (1, seq, 2, 8))
+  want = xla(q, q, q, is_causal=True)
+  np.testing.assert_allclose(decoder.causal_attention(q, q, q), want,
+                             rtol=1e-6)
+  vit.attention(q, q, q)
+  assert asked == (['cudnn', 'cudnn'] if asks_cudnn else [None, None])

@@ -16,7 +16,7 @@ from coat_jax import recipes
 from coat_jax import training
 import coat_jax.models as cm
 from coat_jax.training import config as config_lib
-from coat_jax.training import trainer
+from coat_jax.training import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -113,7 +113,7 @@ def test_finetune_lowers_the_loss_resumes_and_exports(tiny_config, hf_dir,
 
 def _first_batch(config):
   from coat_jax.training import data as data_lib  # noqa: PLC0415
-  dataset = data_lib.load_dataset(trainer.data_config(config), 256)
+  dataset = data_lib.load_dataset(tasks.data_config(config), 256)
   t = config.train
   return dataset.batch('train', t.seed, 0, t.batch_size, config.data.seq_len)
 
@@ -135,14 +135,14 @@ def test_text_data_uses_the_checkpoint_tokenizer(tiny_config, tmp_path):
   hf = tmp_path / 'hf'
   hf.mkdir()
   config = tiny_config(model={'init_from': str(hf)})
-  assert trainer.data_config(config).tokenizer is None  # no tokenizer.json
+  assert tasks.data_config(config).tokenizer is None  # no tokenizer.json
   (hf / 'tokenizer.json').write_text('{}')
-  assert trainer.data_config(config).tokenizer == str(hf / 'tokenizer.json')
+  assert tasks.data_config(config).tokenizer == str(hf / 'tokenizer.json')
   config.data.tokenizer = 'mine.json'
-  assert trainer.data_config(config).tokenizer == 'mine.json'
+  assert tasks.data_config(config).tokenizer == 'mine.json'
   config.data.tokenizer = None
   config.data.source = 'stdlib'
-  assert trainer.data_config(config).tokenizer is None
+  assert tasks.data_config(config).tokenizer is None
 
 
 def test_finetune_config_and_command_line(hf_dir, corpus, tmp_path, capsys):

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from coat_jax.models import vit
 from coat_jax.training import shapes
 
 SEED = 7101
@@ -189,7 +190,7 @@ def test_images_normalized_in_the_dtype_asked_for():
   np.testing.assert_array_equal(bf16, f32.astype(ml_dtypes.bfloat16))
   raw = ds.encode(sample, np.uint8).images
   np.testing.assert_array_equal(raw, sample.pixels)
-  np.testing.assert_array_equal(shapes.normalize(raw), f32)
+  np.testing.assert_array_equal(vit.normalize(raw), f32)
 
 
 def test_bad_arguments():
@@ -202,3 +203,20 @@ def test_bad_arguments():
     ds.batch('test', SEED, 0, 4)
   with pytest.raises(ValueError, match='batch_size=0 must be >= 1'):
     ds.batch('train', SEED, 0, 0)
+
+
+def test_text_len_pads_after_the_answer_and_counts_nothing_more():
+  plain = shapes.ShapesDataset()
+  padded = shapes.ShapesDataset(text_len=plain.seq_len + 7)
+  a = plain.batch('train', SEED, 3, 8)
+  b = padded.batch('train', SEED, 3, 8)
+  assert b.tokens.shape == (8, plain.seq_len + 7) == padded.batch(
+      'val', SEED, 0, 8).tokens.shape
+  np.testing.assert_array_equal(b.tokens[:, :plain.seq_len], a.tokens)
+  assert (b.tokens[:, plain.seq_len:] == shapes.PAD).all()
+  np.testing.assert_array_equal(b.loss_mask[:, :plain.seq_len], a.loss_mask)
+  assert not b.loss_mask[:, plain.seq_len:].any()
+  np.testing.assert_array_equal(b.images, a.images)
+  for bad in (plain.seq_len - 1, 60.0):
+    with pytest.raises(ValueError, match='text_len'):
+      shapes.ShapesDataset(text_len=bad)

@@ -315,6 +315,8 @@ def test_deterministic_gpu_ops_need_the_layer_scan(monkeypatch):
     trainer.check_deterministic_layers(unrolled, 'cpu')
     trainer.check_deterministic_layers(
         llama.LlamaConfig.preset('tiny', num_layers=1), 'gpu')
+    with pytest.raises(ValueError, match="a VLM's ViT layers are unrolled"):
+      trainer.check_deterministic_layers(scanned, 'gpu', vision_layers=2)
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_deterministic_ops=false')
   trainer.check_deterministic_layers(unrolled, 'gpu')
 

@@ -1,0 +1,207 @@
+"""train.py trains a VLM on the shapes data: configs, the step, evaluation,
+resume, sharding, and the errors of a model and data of different tasks."""
+
+import json
+import os
+import threading
+import time
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax import training
+from coat_jax.training import config as config_lib
+from coat_jax.training import data as data_lib
+from coat_jax.training import planning
+from coat_jax.training import tasks
+from coat_jax.training import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def _vlm_config(tmp_path, **train) -> training.Config:
+  config = training.load_config(os.path.join(ROOT, 'configs', 'vlm_tiny.py'))
+  config.optim.warmup_steps = 2
+  fields = dict(steps=6, batch_size=8, log_every=1, eval_every=3,
+                eval_batches=1, run_dir=str(tmp_path / 'run'),
+                progress_bar=False, compilation_cache_dir='')
+  fields.update(train)
+  for k, v in fields.items():
+    setattr(config.train, k, v)
+  return config
+
+
+def _records(run_dir):
+  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_the_vlm_config_trains_evaluates_answers_and_resumes(tmp_path):
+  config = _vlm_config(tmp_path)
+  summary = training.train(config, devices=jax.devices()[:1])
+  records = _records(config.train.run_dir)
+  losses = [r['loss'] for r in records if 'loss' in r]
+  assert len(losses) == 6 and all(np.isfinite(losses))
+  assert losses[-1] < losses[0]
+  evaluations = [r for r in records if 'val_loss' in r]
+  assert [r['step'] for r in evaluations] == [3, 6]
+  assert all(0 <= r['val_accuracy'] <= 1 for r in evaluations)
+  assert summary['val_accuracy'] == evaluations[-1]['val_accuracy']
+  # A held-out question, the model's answer and the right one.
+  assert ' (right: ' in summary['sample'] and '?' in summary['sample']
+  # Tokens/s counts the image tokens and the text.
+  task = tasks.of_config(config)
+  text = tasks.shapes_dataset(config_lib.vlm_architecture(config.model))
+  assert task.tokens_per_example == (32 // 8) ** 2 + text.seq_len
+  # A rerun of the finished run trains nothing and reports what it logged.
+  again = training.train(config, devices=jax.devices()[:1])
+  assert again['complete'] and again['step'] == 6
+  assert again['val_accuracy'] == summary['val_accuracy']
+
+
+def test_a_resumed_vlm_run_matches_an_uninterrupted_one(tmp_path):
+  whole = _vlm_config(tmp_path / 'whole', eval_every=100)
+  training.train(whole, devices=jax.devices()[:1])
+  half = _vlm_config(tmp_path / 'half', eval_every=100, steps=3)
+  training.train(half, devices=jax.devices()[:1])
+  half.train.steps = 6
+  summary = training.train(half, devices=jax.devices()[:1])
+  assert summary['resumed_from'] == 3
+  want = [r['loss'] for r in _records(whole.train.run_dir) if 'loss' in r]
+  got = [r['loss'] for r in _records(half.train.run_dir) if 'loss' in r]
+  np.testing.assert_array_equal(got, want)
+
+
+def test_per_layer_gradients_equal_the_stacked_ones(tmp_path):
+  """The fused optimizer's per-layer path (the decoder's layers inside the
+  VLM) gives the gradients of the plain path."""
+  config = _vlm_config(tmp_path)
+  setup = trainer.build(config, devices=jax.devices()[:1])
+  params = setup.init_state()['params']
+  batch = tasks.load_data(config, setup.task).batch('train', 0, 4)
+  plain = trainer._loss_and_grads(setup.task, setup.graphdef,
+                                  per_layer=False)
+  per_layer = trainer._loss_and_grads(setup.task, setup.graphdef,
+                                      per_layer=True)
+  loss, grads = jax.jit(plain)(params, *batch)
+  loss_pl, grads_pl = jax.jit(per_layer)(params, *batch)
+  np.testing.assert_allclose(loss_pl, loss, rtol=1e-6)
+  layers = grads_pl['decoder']['layers']
+  stacked = jax.tree.map(lambda *g: jnp.stack(g), *[
+      jax.tree.map(lambda leaf, i=i: leaf[i], layers,
+                   is_leaf=lambda x: isinstance(x, tuple))
+      for i in range(setup.architecture.num_layers)])
+  grads_pl = {**grads_pl, 'decoder': {**grads_pl['decoder'],
+                                      'layers': stacked}}
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-5, atol=1e-7), grads_pl, grads)
+  assert float(optax_norm(grads['vision'])) > 0
+
+
+def optax_norm(tree):
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                      for x in jax.tree.leaves(tree)))
+
+
+def test_the_vlm_trains_the_same_on_a_mesh_as_on_one_device(tmp_path):
+  one = _vlm_config(tmp_path / 'one', steps=3, eval_every=100)
+  training.train(one, devices=jax.devices()[:1])
+  mesh = _vlm_config(tmp_path / 'mesh', steps=3, eval_every=100)
+  mesh.mesh = training.MeshConfig(data=2, fsdp=2, tensor=2)
+  training.train(mesh, devices=jax.devices()[:8])
+  want = [r['loss'] for r in _records(one.train.run_dir) if 'loss' in r]
+  got = [r['loss'] for r in _records(mesh.train.run_dir) if 'loss' in r]
+  np.testing.assert_allclose(got, want, rtol=2e-2)
+
+
+def test_the_vlm_step_estimates_its_memory(tmp_path):
+  config = _vlm_config(tmp_path)
+  mem = planning.estimate(config, devices=jax.devices()[:1])
+  assert mem.params > 0 and mem.activations > 0 and mem.total > mem.params
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (['model.preset=vlm_tiny'], 'set data.source=shapes'),
+    (['data.source=shapes'], "set model.preset to one of ['vlm_1b',"
+                             " 'vlm_tiny']"),
+    (['model.preset=vlm_tiny', 'data.source=shapes', 'model.init_from=x'],
+     'data.source=shapes trains a vision-language model, not'
+     ' model.init_from'),
+])
+def test_a_model_and_data_of_different_tasks_are_refused(overrides,
+                                                         message):
+  config = training.apply_overrides(training.Config(), overrides)
+  with pytest.raises(ValueError, match=message.replace('[', r'\[')):
+    config_lib.validate(config, 1)
+
+
+def test_text_longer_than_the_decoder_is_refused_before_compiling(tmp_path):
+  config = training.apply_overrides(
+      _vlm_config(tmp_path), ['model.max_seq_len=64'])
+  setup = trainer.build(config, devices=jax.devices()[:1])
+  with pytest.raises(ValueError, match='raise model.max_seq_len'):
+    tasks.load_data(config, setup.task)
+
+
+def test_the_decoder_fields_of_a_vlm_preset_are_overridable():
+  config = training.apply_overrides(training.Config(), [
+      'model.preset=vlm_tiny', 'data.source=shapes', 'model.num_layers=3'])
+  vlm_config = config_lib.vlm_architecture(config.model)
+  assert vlm_config.decoder.num_layers == 3
+  assert config_lib.architecture(config.model) == vlm_config.decoder
+  assert config_lib.vlm_architecture(training.Config().model) is None
+
+
+def test_generate_and_export_refuse_a_vlm_run(tmp_path):
+  from coat_jax import export  # noqa: PLC0415
+  from coat_jax import generate  # noqa: PLC0415
+  config = _vlm_config(tmp_path, steps=1, eval_every=100, sample_tokens=0)
+  training.train(config, devices=jax.devices()[:1])
+  run = config.train.run_dir
+  with pytest.raises(ValueError, match='vision-language model'):
+    export.export(run, str(tmp_path / 'out'))
+  assert generate.main([run, '--prompt', 'x']) == 2
+
+
+def test_prefetch_makes_every_index_in_order_ahead_of_the_caller():
+  started = []
+  gate = threading.Event()
+
+  def make(i):
+    started.append(i)
+    if i == 3:
+      gate.wait(5)
+    return i * i
+
+  batches = data_lib.Prefetch(make, 2, 7, depth=2)
+  time.sleep(0.2)
+  assert started == [2, 3]  # made ahead, at most depth
+  gate.set()
+  assert list(batches) == [4, 9, 16, 25, 36]
+  batches.close()
+
+
+def test_prefetch_raises_a_failure_where_its_index_is_taken():
+  def make(i):
+    if i == 1:
+      raise ValueError('bad batch 1')
+    return i
+
+  batches = data_lib.Prefetch(make, 0, 3)
+  assert next(batches) == 0
+  with pytest.raises(ValueError, match='bad batch 1'):
+    next(batches)
+  batches.close()
+  with pytest.raises(ValueError, match='depth'):
+    data_lib.Prefetch(make, 0, 3, depth=0)
+
+
+def test_the_vlm_model_of_the_task_is_a_converted_vlm(tmp_path):
+  config = _vlm_config(tmp_path)
+  task = tasks.of_config(config)
+  model = task.make_model(config_lib.recipe(config.model), nnx.Rngs(0))
+  assert model.conversion.converted  # the vision tower's layers
+  assert task.layers_path == ('decoder', 'layers')
