@@ -17,7 +17,9 @@ backward starts it from the (unchanged) state, each hook's backward receives
 it with the layer's gradient, steps layer i of the stacks (in place: the
 Pallas kernel's `layer=`, or a dynamic-update-slice) and hands it on; the
 cotangent `jax.grad` returns for the carrier is the stepped state.
-Embeddings, final norm and LM head step after backward, as usual.
+The other params (embeddings, final norm and LM head; a VLM's vision tower
+and projector too) step after backward, as usual. train.py takes this step
+with `optim.apply_in_backward=true` (`trainer.build`).
 
 Invariants:
   * Each layer's step is that of `fused_coat_adamw` on the ordinary step's
@@ -30,9 +32,9 @@ Invariants:
     i.e. no clipping, at the first step), kept in the optimizer state
     (`PreviousNormState`); clip 'none' scales by 1.
   * Non-finite values: a layer steps iff the loss and its own gradient are
-    finite. The embeddings, final norm and head, the step count and the
-    learning-rate schedule step iff the loss and the whole gradient are
-    finite; otherwise the step counts as non-finite (`state['nonfinite']`,
+    finite. The other params, the step count and the learning-rate
+    schedule step iff the loss and the whole gradient are finite;
+    otherwise the step counts as non-finite (`state['nonfinite']`,
     metrics['finite'] False) though layers whose gradients were finite did
     step. A non-finite loss (the usual fault) therefore changes no param.
   * One device, unrolled layers, one microbatch (`check_supported`).
@@ -53,12 +55,9 @@ from coat_jax.optim import moments
 from coat_jax.optim.coat_adam import ScaleByCoatAdamState
 from pallas_kernels.coat_adam_step import api as fused_step
 
-# How the in-backward step clips (`OptimConfig.clip`): by the previous
+# How the in-backward step clips (`optim.in_backward_clip`): by the previous
 # step's global gradient norm, or not at all.
 CLIPS = ('previous', 'none')
-
-# The decoder's stacked layer params (`decoder.Decoder.layers`).
-LAYERS = 'layers'
 
 
 class PreviousNormState(NamedTuple):
@@ -128,28 +127,28 @@ def check_supported(*, fused_optimizer: bool, scan_layers: bool,
       (scan_layers, 'needs unrolled layers (model.scan_layers=false)'),
       (microbatches != 1, 'steps once per batch, so it cannot accumulate'
        f' microbatches (train.microbatches={microbatches}: set 1)'),
-      (num_devices != 1, f'runs on one device ({num_devices} given)')]
+      (num_devices != 1, f'runs on one device ({num_devices} given: make'
+       ' one visible, e.g. CUDA_VISIBLE_DEVICES=0)')]
   for bad, why in problems:
     if bad:
       raise ValueError(f'optim.apply_in_backward=true {why}.')
 
 
 def make_train_step(
-    loss: Callable[..., jax.Array], graphdef: Any, num_layers: int, *,
-    learning_rate: optax.ScalarOrSchedule, b1: float, b2: float, eps: float,
-    weight_decay: float,
+    task: Any, graphdef: Any, *, learning_rate: optax.ScalarOrSchedule,
+    b1: float, b2: float, eps: float, weight_decay: float,
     mask: Any | Callable[[optax.Params], Any] | None = None,
     group_size: int = 128, expansion: bool = True, clip: str = 'previous',
     clip_norm: float = 1.0, implementation: str | None = None,
-) -> Callable[[Any, jax.Array, jax.Array], tuple[Any, dict]]:
-  """`train_step(state, inputs, targets) -> (state, metrics)`, each decoder
-  layer stepping inside backward.
+) -> Callable[..., tuple[Any, dict]]:
+  """`train_step(state, *batch) -> (state, metrics)`, each decoder layer
+  stepping inside backward.
 
   Args:
-    loss: (model, tokens, targets, layers=...) -> scalar loss (a family's
-      `loss`, e.g. `decoder.lm_loss`).
-    graphdef: the decoder's nnx graphdef, of unrolled layers.
-    num_layers: the decoder's layers.
+    task: a `tasks.Task`: its `loss` (model, *batch, layers=...) -> scalar,
+      its decoder's layers (`decoder.num_layers`, unrolled) and where they
+      sit in the params (`layers_of`, `with_layers`).
+    graphdef: the task model's nnx graphdef.
     learning_rate, b1, b2, eps, weight_decay, mask, group_size, expansion,
       implementation: as for `fused_coat_adamw`; `mask` is evaluated on the
       whole params tree (the stacked layer params included).
@@ -164,6 +163,8 @@ def make_train_step(
   """
   _check_clip(clip)
   scalar = lambda x: jnp.asarray(x, jnp.float32)
+  layers_of, with_layers = task.layers_of, task.with_layers
+  without_layers = lambda tree: with_layers(tree, None)
 
   def layer_step(i, state, grads, scalars, decay, apply_if):
     """Layer i of the stacked params and moments steps with its grads."""
@@ -181,7 +182,7 @@ def make_train_step(
                treedef.flatten_up_to(decay), strict=True)]
     return tuple(treedef.unflatten([o[k] for o in out]) for k in range(3))
 
-  def train_step(state, inputs, targets):
+  def train_step(state, *batch):
     params = state['params']
     clip_state, (adam, decay_state, lr_state) = state['opt_state']
     if not isinstance(adam, ScaleByCoatAdamState):
@@ -189,10 +190,10 @@ def make_train_step(
                       f' state), got {type(adam).__name__} in the AdamW'
                       ' slot.')
     decay = _decay(mask, params)
-    stacked = params[LAYERS]
+    stacked = layers_of(params)
     quantized = lambda tree: _as_quantized(stacked, tree, group_size)
-    layer_state = (stacked, quantized(adam.mu[LAYERS]),
-                   quantized(adam.nu[LAYERS]))
+    layer_state = (stacked, quantized(layers_of(adam.mu)),
+                   quantized(layers_of(adam.nu)))
     count = optax.safe_increment(adam.count)  # this step's, for the math
     lr = (learning_rate(lr_state.count) if callable(learning_rate)
           else learning_rate)
@@ -200,46 +201,43 @@ def make_train_step(
                   else clip_scale(clip_state.norm, clip_norm))
     scalars = (count, scalar(lr), grad_scale)
     hook = _layer_hook(functools.partial(layer_step,
-                                         decay=decay[LAYERS]))
-    rest = {k: v for k, v in params.items() if k != LAYERS}
+                                         decay=layers_of(decay)))
 
     def loss_of(rest, carrier):
       layers = []
-      for i in range(num_layers):
+      for i in range(task.decoder.num_layers):
         carrier, layer = hook(i, carrier, scalars)
         layers.append(layer)
-      model = nnx.merge(graphdef, {**rest, LAYERS: stacked})
-      return _seal(carrier, loss(model, inputs, targets, layers=layers))
+      model = nnx.merge(graphdef, with_layers(rest, stacked))
+      return _seal(carrier, task.loss(model, *batch, layers=layers))
 
     carrier = (layer_state, (scalar(0.0), scalar(0.0)))
     value, (grads, carrier) = jax.value_and_grad(
-        loss_of, argnums=(0, 1))(rest, carrier)
+        loss_of, argnums=(0, 1))(without_layers(params), carrier)
     (new_stacked, new_mu, new_nu), (layer_sq, _) = carrier
     norm = jnp.sqrt(layer_sq + _sum_of_squares(grads))
     finite = jnp.isfinite(value) & jnp.isfinite(norm)
 
     apply_rest = fused.fused_coat_adamw(
         learning_rate, b1, b2, eps, weight_decay,
-        mask={k: v for k, v in decay.items() if k != LAYERS},
-        group_size=group_size, expansion=expansion,
-        implementation=implementation)
-    rest_moments = lambda tree: {k: v for k, v in tree.items()
-                                 if k != LAYERS}
+        mask=without_layers(decay), group_size=group_size,
+        expansion=expansion, implementation=implementation)
     new_rest, (rest_adam, decay_state, lr_state) = apply_rest(
-        grads, (ScaleByCoatAdamState(adam.count, rest_moments(adam.mu),
-                                     rest_moments(adam.nu)),
-                decay_state, lr_state), rest, finite, grad_scale)
+        grads, (ScaleByCoatAdamState(adam.count, without_layers(adam.mu),
+                                     without_layers(adam.nu)),
+                decay_state, lr_state), without_layers(params), finite,
+        grad_scale)
     in_container = lambda new, old: jax.tree.map(
         moments.like, new, old, is_leaf=moments.is_moment)
     adam = ScaleByCoatAdamState(
         rest_adam.count,
-        {**rest_adam.mu, LAYERS: in_container(new_mu, adam.mu[LAYERS])},
-        {**rest_adam.nu, LAYERS: in_container(new_nu, adam.nu[LAYERS])})
+        with_layers(rest_adam.mu, in_container(new_mu, layers_of(adam.mu))),
+        with_layers(rest_adam.nu, in_container(new_nu, layers_of(adam.nu))))
     if clip == 'previous':
       clip_state = PreviousNormState(
           jnp.where(finite, norm, clip_state.norm).astype(jnp.float32))
     new_state = {
-        'params': {**new_rest, LAYERS: new_stacked},
+        'params': with_layers(new_rest, new_stacked),
         'opt_state': (clip_state, (adam, decay_state, lr_state)),
         'step': state['step'] + 1,
         'nonfinite': state['nonfinite'] + (~finite).astype(jnp.int32),

@@ -1,8 +1,12 @@
-"""The in-backward train step: the fused step's result, clipping by the
-previous norm, non-finite gradients, and what the compiled step keeps."""
+"""The in-backward train step: the fused step's result (a language model
+and a VLM), clipping by the previous norm, non-finite gradients, what the
+compiled step keeps, and train.py with optim.apply_in_backward=true."""
 
 import dataclasses
+import json
 import math
+import os
+import sys
 
 from flax import nnx
 import jax
@@ -12,35 +16,40 @@ import optax
 import pytest
 
 from coat_jax import optim
+from coat_jax import training
 from coat_jax.models import lm_loss
+from coat_jax.training import checkpoints
 from coat_jax.training import in_backward
 from coat_jax.training import memory
+from coat_jax.training import tasks
 from coat_jax.training import trainer
 
 ONE = jax.devices()[:1]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+sys.path.insert(0, ROOT)
+import train as train_py  # noqa: E402
 
 
-def _setup(tiny_config, recipe='coat', clip_norm=1e9, train=None, **model):
-  config = tiny_config(model={'recipe': recipe, **model},
-                       optim={'warmup_steps': 0, 'clip_norm': clip_norm},
+def _setup(tiny_config, recipe='coat', clip_norm=1e9, train=None, clip=None,
+           **model):
+  """A tiny config and its `trainer.build`: the ordinary step, or with
+  `clip` the in-backward step clipping so."""
+  optim = {'warmup_steps': 0, 'clip_norm': clip_norm}
+  if clip is not None:
+    optim.update(apply_in_backward=True, in_backward_clip=clip)
+  config = tiny_config(model={'recipe': recipe, **model}, optim=optim,
                        train=train or {})
   return config, trainer.build(config, ONE)
 
 
-def _step(config, setup, clip, loss=lm_loss):
+def _step(config, setup, clip, loss):
+  """The in-backward step of `setup` with `loss` as the task's loss."""
   o = config.optim
   return jax.jit(in_backward.make_train_step(
-      loss, setup.graphdef, setup.architecture.num_layers,
+      dataclasses.replace(setup.task, loss=loss), setup.graphdef,
       **trainer._adamw_args(config), group_size=o.group_size,
       expansion=o.expansion, clip=clip, clip_norm=o.clip_norm),
                  donate_argnums=0)
-
-
-def _with_previous_norm(state):
-  """`state` with the clip slot of clip 'previous' (no norm yet)."""
-  _, adamw = state['opt_state']
-  return {**state, 'opt_state': (
-      in_backward.PreviousNormState(jnp.zeros((), jnp.float32)), adamw)}
 
 
 def _batch(seed):
@@ -66,15 +75,14 @@ def _assert_states_close(got, want):
 def test_three_steps_equal_the_fused_step(tiny_config, recipe, seed):
   """With clip 'none' and a clip norm the fused step never reaches, both
   steps are the same AdamW steps on the same gradients."""
-  config, setup = _setup(tiny_config, recipe)
-  step = _step(config, setup, 'none')
-  want = setup.init_state()
-  got = jax.tree.map(jnp.copy, want)
+  _, setup = _setup(tiny_config, recipe)
+  _, inb = _setup(tiny_config, recipe, clip='none')
+  want, got = setup.init_state(), inb.init_state()
   for i in range(3):
     x, y = _batch(seed + i)
     old = jax.tree.map(np.asarray, got['params'])
     want, want_metrics = setup.train_step(want, x, y)
-    got, metrics = step(got, x, y)
+    got, metrics = inb.train_step(got, x, y)
     np.testing.assert_allclose(metrics['loss'], want_metrics['loss'],
                                rtol=1e-6)
     np.testing.assert_allclose(metrics['grad_norm'],
@@ -92,11 +100,35 @@ def test_the_pallas_kernel_steps_each_layer_in_place(tiny_config, seed,
   """The Pallas kernel (interpreted here) steps layer i of the stacks
   (`layer=`) inside backward: the fused step's result again."""
   pick_pallas()
-  config, setup = _setup(tiny_config)
-  want = setup.init_state()
-  got, _ = _step(config, setup, 'none')(jax.tree.map(jnp.copy, want),
-                                        *_batch(seed))
-  want, _ = setup.train_step(want, *_batch(seed))
+  _, setup = _setup(tiny_config)
+  _, inb = _setup(tiny_config, clip='none')
+  got, _ = inb.train_step(inb.init_state(), *_batch(seed))
+  want, _ = setup.train_step(setup.init_state(), *_batch(seed))
+  _assert_states_close(got, want)
+
+
+def test_a_vlm_step_equals_the_fused_step(tmp_path):
+  """The decoder's layers inside a VLM (`Task.layers_path`) step inside
+  backward; the vision tower and projector step after it."""
+  def build(clip):
+    config = training.load_config(os.path.join(ROOT, 'configs',
+                                               'vlm_tiny.py'))
+    config.optim = dataclasses.replace(
+        config.optim, warmup_steps=0, clip_norm=1e9,
+        apply_in_backward=clip is not None, in_backward_clip=clip or 'none')
+    config.train = dataclasses.replace(config.train, batch_size=4,
+                                       run_dir=str(tmp_path))
+    return config, trainer.build(config, ONE)
+
+  config, setup = build(None)
+  _, inb = build('none')
+  assert inb.task.layers_path == ('decoder', 'layers')
+  batch = tasks.load_data(config, setup.task).batch('train', 0, 4)
+  want, want_metrics = setup.train_step(setup.init_state(), *batch)
+  got, metrics = inb.train_step(inb.init_state(), *batch)
+  np.testing.assert_allclose(metrics['loss'], want_metrics['loss'],
+                             rtol=1e-6)
+  assert bool(metrics['finite'])
   _assert_states_close(got, want)
 
 
@@ -105,15 +137,15 @@ def test_previous_norm_clipping_matches_a_reference(tiny_config, seed):
   global norm) (1 at the first step): the fused optimizer run by hand on
   value_and_grad's gradients with those scales."""
   clip_norm = 0.5  # below every step's norm here: it bites from step 2
-  config, setup = _setup(tiny_config, clip_norm=clip_norm)
+  config, setup = _setup(tiny_config, clip_norm=clip_norm, clip='previous')
   o = config.optim
   apply = optim.fused_coat_adamw(**trainer._adamw_args(config),
                                  group_size=o.group_size,
                                  expansion=o.expansion)
-  step = _step(config, setup, 'previous')
-  state = setup.init_state()
-  params, (_, adamw) = state['params'], state['opt_state']
-  got = _with_previous_norm(jax.tree.map(jnp.copy, state))
+  got = setup.init_state()
+  assert float(got['opt_state'][0].norm) == 0  # no norm yet
+  params, (_, adamw) = jax.tree.map(jnp.copy, (got['params'],
+                                               got['opt_state']))
 
   @jax.jit
   def reference(params, adamw, x, y, previous):
@@ -129,7 +161,7 @@ def test_previous_norm_clipping_matches_a_reference(tiny_config, seed):
     (params, adamw), (loss, norm) = reference(params, adamw, x, y,
                                               jnp.float32(previous))
     norm = float(norm)
-    got, metrics = step(got, x, y)
+    got, metrics = setup.train_step(got, x, y)
     np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
     np.testing.assert_allclose(metrics['grad_norm'], norm, rtol=1e-5)
     np.testing.assert_allclose(got['opt_state'][0].norm, norm, rtol=1e-5)
@@ -155,14 +187,14 @@ def test_clip_by_previous_norm_as_an_optax_transformation():
 
 
 def test_a_non_finite_loss_changes_no_param(tiny_config, seed):
-  config, setup = _setup(tiny_config, clip_norm=0.5)
-  state = _with_previous_norm(setup.init_state())
+  _, setup = _setup(tiny_config, clip_norm=0.5, clip='previous')
+  state = setup.init_state()
   state['opt_state'] = (in_backward.PreviousNormState(jnp.float32(2.0)),
                         state['opt_state'][1])
   state['params']['norm']['scale'] = (
       state['params']['norm']['scale'].at[0].set(jnp.nan))
   before = jax.tree.map(np.asarray, state)
-  new, metrics = _step(config, setup, 'previous')(state, *_batch(seed))
+  new, metrics = setup.train_step(state, *_batch(seed))
   assert not bool(metrics['finite']) and not np.isfinite(metrics['loss'])
   assert int(new['nonfinite']) == 1 and int(new['step']) == 1
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new)[0],
@@ -176,7 +208,7 @@ def test_a_layer_with_a_non_finite_gradient_does_not_step(tiny_config,
   """The loss is finite but layer 0's gradient is not: layer 0, the
   embeddings, final norm and head keep their values and the count does not
   advance; layer 1, whose gradient is finite, steps (as documented)."""
-  config, setup = _setup(tiny_config)
+  config, setup = _setup(tiny_config, clip='none')
 
   def poisoned_loss(model, tokens, targets, layers):
     scale = layers[0]['mlp_norm']['scale']
@@ -212,30 +244,99 @@ def test_a_layer_with_a_non_finite_gradient_does_not_step(tiny_config,
 def test_the_compiled_step_keeps_no_stacked_gradients(tiny_config):
   """XLA's plan on this backend: the in-backward step's temporaries are
   smaller than the ordinary fused step's by at least the layers' float32
-  gradients (figures: docs/in_backward.md)."""
-  config, setup = _setup(tiny_config, train={'batch_size': 1},
-                         hidden_size=256, intermediate_size=768,
-                         num_layers=4)
+  gradients (figures: docs/in_backward.md), and the memory breakdown counts
+  only the other params' gradients."""
+  sizes = dict(train={'batch_size': 1}, hidden_size=256,
+               intermediate_size=768, num_layers=4)
+  _, setup = _setup(tiny_config, **sizes)
+  _, inb = _setup(tiny_config, clip='previous', **sizes)
   ordinary = memory.compile_train_step(setup).memory_analysis()
-  state = _with_previous_norm(setup.abstract_state)
-  replicated = jax.sharding.NamedSharding(setup.mesh,
-                                          jax.sharding.PartitionSpec())
-  shardings = {**setup.state_shardings, 'opt_state': (
-      in_backward.PreviousNormState(replicated),
-      setup.state_shardings['opt_state'][1])}
-  step = _step(config, setup, 'previous')
-  inb = memory.compile_train_step(dataclasses.replace(
-      setup, abstract_state=state, state_shardings=shardings,
-      lower_train_step=step.lower)).memory_analysis()
-  grads = sum(math.prod(x.shape) * 4 for x in
-              jax.tree.leaves(setup.abstract_state['params']['layers']))
+  compiled = memory.compile_train_step(inb)
+  stats = compiled.memory_analysis()
+  nbytes = lambda tree: sum(math.prod(x.shape) * x.dtype.itemsize
+                            for x in jax.tree.leaves(tree))
+  params = inb.abstract_state['params']
+  grads = nbytes(params['layers'])  # float32 params: their gradients'
   print(f'temp: ordinary {ordinary.temp_size_in_bytes / 2**20:.2f} MiB,'
-        f' in backward {inb.temp_size_in_bytes / 2**20:.2f} MiB, layer'
+        f' in backward {stats.temp_size_in_bytes / 2**20:.2f} MiB, layer'
         f' gradients {grads / 2**20:.2f} MiB')
-  assert inb.temp_size_in_bytes <= ordinary.temp_size_in_bytes - grads
+  assert stats.temp_size_in_bytes <= ordinary.temp_size_in_bytes - grads
   # The state is updated in place: every argument but the batch (two int32
   # arrays of 1 x 32 tokens) is aliased.
-  assert inb.argument_size_in_bytes - inb.alias_size_in_bytes == 2 * 32 * 4
+  assert stats.argument_size_in_bytes - stats.alias_size_in_bytes == (
+      2 * 32 * 4)
+  mem = memory.breakdown(inb, compiled)
+  assert mem.gradients == nbytes(params) - grads
+  assert mem.params == nbytes(params)
+
+
+def _logged(run_dir, key):
+  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    return [r[key] for r in map(json.loads, f) if key in r]
+
+
+def _saved_state(config, step):
+  """The state a run of `config` saved at `step`."""
+  setup = trainer.build(config, ONE)
+  checkpointer = checkpoints.Checkpointer(config.train.run_dir, config)
+  try:
+    return trainer.restore_state(setup, checkpointer, step)
+  finally:
+    checkpointer.close()
+
+
+def test_a_run_trains_and_resumes_bit_exactly(tiny_config, tmp_path,
+                                              monkeypatch):
+  """train.py with optim.apply_in_backward=true: a run stopped after step 3
+  (its checkpoint keeps the previous norm) and resumed ends where an
+  uninterrupted run does, bit for bit."""
+  def config(name):
+    return tiny_config(optim={'apply_in_backward': True},
+                       train={'steps': 5, 'run_dir': str(tmp_path / name)})
+
+  whole = config('whole')
+  summary = training.train(whole, devices=ONE)
+  norms = _logged(whole.train.run_dir, 'grad_norm')
+  assert len(norms) == 5 and max(norms[:3]) > whole.optim.clip_norm
+  assert summary['memory']['gradients'] < summary['memory']['params']
+
+  build = trainer.build
+
+  def build_with_ctrl_c_at_step_4(*args, **kwargs):
+    setup = build(*args, **kwargs)
+    step, calls = setup.train_step, []
+
+    def interrupted(*a):
+      calls.append(1)
+      if len(calls) == 4:
+        raise KeyboardInterrupt
+      return step(*a)
+
+    setup.train_step = interrupted
+    return setup
+
+  part = config('part')
+  monkeypatch.setattr(trainer, 'build', build_with_ctrl_c_at_step_4)
+  assert training.train(part, devices=ONE)['step'] == 3
+  monkeypatch.setattr(trainer, 'build', build)
+  np.testing.assert_array_equal(
+      _saved_state(part, 3)['opt_state'][0].norm, np.float32(norms[2]))
+  summary = training.train(part, devices=ONE)
+  assert summary['resumed_from'] == 3 and summary['step'] == 5
+  assert _logged(part.train.run_dir, 'loss') == _logged(
+      whole.train.run_dir, 'loss')
+  jax.tree.map(np.testing.assert_array_equal, _saved_state(part, 5),
+               _saved_state(whole, 5))
+
+
+def test_the_command_line_turns_it_on(tmp_path, capsys):
+  """`--set optim.apply_in_backward=true` reaches the config: here, on 8
+  devices, the error says how to run it."""
+  code = train_py.main(['--set', 'optim.apply_in_backward=true',
+                        f'train.run_dir={tmp_path}'])
+  assert code == 2
+  assert ('error: optim.apply_in_backward=true runs on one device (8 given:'
+          ' make one visible') in capsys.readouterr().err
 
 
 def test_unsupported_settings_are_refused():
@@ -246,7 +347,7 @@ def test_unsupported_settings_are_refused():
       ({'fused_optimizer': False}, r'fused optimizer.*optim\.fused'),
       ({'scan_layers': True}, r'model\.scan_layers=false'),
       ({'microbatches': 2}, r'train\.microbatches=2: set 1'),
-      ({'num_devices': 8}, r'one device \(8 given\)')):
+      ({'num_devices': 8}, r'one device \(8 given: make one visible')):
     with pytest.raises(ValueError, match=r'optim\.apply_in_backward=true '
                        + r'.*' + match):
       in_backward.check_supported(**{**ok, **change})
