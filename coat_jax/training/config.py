@@ -20,6 +20,7 @@ from coat_jax.models import hf
 from coat_jax.models import remat as remat_lib
 from coat_jax.models import vlm
 from coat_jax.optim.coat_adam import MOMENT_DTYPES
+from coat_jax.training import in_backward
 
 
 def _architecture_fields() -> list[tuple[str, Any, Any]]:
@@ -123,6 +124,15 @@ class OptimConfig:
   # One fused pass per leaf (coat_adamw with FP8 moments; the Pallas kernel
   # on one Hopper GPU). None: fused whenever the optimizer allows it.
   fused: bool | None = None
+  # Each decoder layer's fused step taken inside backward, as soon as its
+  # gradient exists, so the layers' gradients are never all live at once
+  # (`coat_jax.training.in_backward`, docs/in_backward.md): the fused
+  # optimizer, unrolled layers, one microbatch, one device.
+  apply_in_backward: bool = False
+  # How that step clips, since it cannot know the step's global norm
+  # before the first layer steps: 'previous' (by the last finite step's
+  # norm, against clip_norm) or 'none'.
+  in_backward_clip: str = 'previous'
 
 
 @dataclasses.dataclass
@@ -448,6 +458,7 @@ def validate(config: Config, num_devices: int) -> None:
   if m.remat is not None:
     remat_lib.check_policy(m.remat, 'model.remat')
   _one_of('optim.name', o.name, ('coat_adamw', 'adamw'))
+  _one_of('optim.in_backward_clip', o.in_backward_clip, in_backward.CLIPS)
   _one_of('data.source', d.source, SOURCES)
   _one_of('data.token_dtype', d.token_dtype, ('uint16', 'uint32'))
   _one_of('train.on_nonfinite', t.on_nonfinite, ('skip', 'stop'))
@@ -470,6 +481,11 @@ def validate(config: Config, num_devices: int) -> None:
   if o.fused and not can_fuse(o):
     raise ValueError('optim.fused=true needs optim.name=coat_adamw with FP8'
                      f' moments (got {o.name}, {o.moment_dtypes}).')
+  if o.apply_in_backward:
+    in_backward.check_supported(
+        fused_optimizer=uses_fused_optimizer(o),
+        scan_layers=architecture(m).scan_layers,
+        microbatches=t.microbatches, num_devices=num_devices)
   if d.source in ('text', 'tokens') and not d.paths:
     raise ValueError(f'data.source={d.source!r} needs data.paths (files or'
                      ' globs, comma-separated).')

@@ -27,9 +27,11 @@ class MemoryBreakdown:
   """Bytes per device of one train step.
 
   params, optimizer_state: the train state (inputs of the step, updated in
-  place). gradients: one float copy of the params, a part of the step's
-  temporaries. activations: the rest of the temporaries (saved activations,
-  backward's working set, XLA's scratch). total: XLA's peak for the step.
+  place). gradients: one float copy of the params (with
+  optim.apply_in_backward, of the params outside the decoder layers, whose
+  gradients die as each layer steps), a part of the step's temporaries.
+  activations: the rest of the temporaries (saved activations, backward's
+  working set, XLA's scratch). total: XLA's peak for the step.
   limit: what XLA may allocate on the device (None where unknown, as on
   CPU without --memory-limit-gib). layers: how the decoder layers run
   (e.g. "unrolled, remat 'none'"; 'auto' resolved), printed with the
@@ -120,6 +122,11 @@ def breakdown(setup: Any, compiled,
   device = setup.mesh.devices.flat[0]
   params = _per_device_bytes(abstract['params'], shardings['params'])
   opt = _per_device_bytes(abstract['opt_state'], shardings['opt_state'])
+  grads = params
+  if setup.config.optim.apply_in_backward:
+    without = lambda tree: setup.task.with_layers(tree, None)
+    grads = _per_device_bytes(without(abstract['params']),
+                              without(shardings['params']))
   stats = compiled.memory_analysis()
   temp = stats.temp_size_in_bytes
   # XLA allocates the temporaries as one block next to the (donated, so
@@ -128,8 +135,8 @@ def breakdown(setup: Any, compiled,
               - stats.alias_size_in_bytes + temp,
               getattr(stats, 'peak_memory_in_bytes', 0))
   return MemoryBreakdown(
-      params=params, optimizer_state=opt, gradients=min(params, temp),
-      activations=max(temp - params, 0), total=total,
+      params=params, optimizer_state=opt, gradients=min(grads, temp),
+      activations=max(temp - grads, 0), total=total,
       limit=device_limit() if limit is None else limit,
       layers=_layers(setup.config.model), platform=device.platform,
       device=device.device_kind)

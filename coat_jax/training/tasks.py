@@ -61,6 +61,24 @@ class Task:
   tokens_per_example: int
   family: families.Family | None = None
 
+  def layers_of(self, tree: dict) -> Any:
+    """The subtree of `tree` (the params, or a tree like them: their
+    gradients, moments) at layers_path."""
+    for key in self.layers_path:
+      tree = tree[key]
+    return tree
+
+  def with_layers(self, tree: dict, value: Any) -> dict:
+    """`tree` with its subtree at layers_path replaced by `value` (the
+    dicts on the way copied; None: a subtree without leaves)."""
+    return _replace(tree, self.layers_path, value)
+
+
+def _replace(tree: dict, path: tuple[str, ...], value: Any) -> dict:
+  if not path:
+    return value
+  return {**tree, path[0]: _replace(tree[path[0]], path[1:], value)}
+
 
 def of_config(config: config_lib.Config) -> Task:
   """The task `config` describes (a validated config)."""

@@ -26,6 +26,7 @@ from coat_jax.training import checkpoints as checkpoints_lib
 from coat_jax.training import compilation_cache
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
+from coat_jax.training import in_backward
 from coat_jax.training import memory
 from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import sharding
@@ -52,7 +53,9 @@ def _adamw_args(config: config_lib.Config) -> dict:
 
 
 def make_optimizer(config: config_lib.Config) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW (COAT FP8 or optax)."""
+  """Global-norm clipping, then AdamW (COAT FP8 or optax); with
+  optim.apply_in_backward, the in-backward step's clipping instead
+  (`in_backward.clipping`), whose state that step keeps."""
   o = config.optim
   if o.name == 'coat_adamw':
     adamw = optim.coat_adamw(
@@ -60,7 +63,9 @@ def make_optimizer(config: config_lib.Config) -> optax.GradientTransformation:
         moment_dtypes=tuple(o.moment_dtypes), expansion=o.expansion)
   else:
     adamw = optax.adamw(**_adamw_args(config))
-  return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
+  clip = (in_backward.clipping(o.in_backward_clip, o.clip_norm)
+          if o.apply_in_backward else optax.clip_by_global_norm(o.clip_norm))
+  return optax.chain(clip, adamw)
 
 
 def _fused_update(config: config_lib.Config, specs: Any = None):
@@ -217,19 +222,19 @@ def _loss_and_grads(task: tasks.Task, graphdef, per_layer: bool):
     return jax.value_and_grad(loss_fn)
 
   def loss_and_grads(params, *batch):
-    path = task.layers_path
-    stacked = _get(params, path)
-    rest = _replace(params, path, None)  # None: a subtree without leaves
+    stacked = task.layers_of(params)
+    rest = task.with_layers(params, None)
     layers = [jax.tree.map(lambda a, i=i: a[i], stacked)
               for i in range(task.decoder.num_layers)]
 
     def loss_of(rest, layers):
-      model = nnx.merge(graphdef, _replace(rest, path, stacked))
+      model = nnx.merge(graphdef, task.with_layers(rest, stacked))
       return task.loss(model, *batch, layers=layers)
 
     loss, (grads, layer_grads) = jax.value_and_grad(
         loss_of, argnums=(0, 1))(rest, layers)
-    grads = _replace(grads, path, jax.tree.map(lambda *g: g, *layer_grads))
+    grads = task.with_layers(grads,
+                             jax.tree.map(lambda *g: g, *layer_grads))
     return loss, grads
 
   return loss_and_grads
@@ -288,17 +293,31 @@ def _train_step(loss_and_grads, tx, fused_update):
   return train_step
 
 
-def _get(tree: dict, path: tuple[str, ...]) -> Any:
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _replace(tree: dict, path: tuple[str, ...], value: Any) -> dict:
-  """`tree` with the subtree at `path` replaced (dicts copied on the way)."""
-  if not path:
-    return value
-  return {**tree, path[0]: _replace(tree[path[0]], path[1:], value)}
+def _step_function(config: config_lib.Config, task: tasks.Task, graphdef,
+                   tx: optax.GradientTransformation, state_shardings: Any,
+                   mesh: jax.sharding.Mesh):
+  """(state, *batch) -> (state, metrics), to be jitted: the in-backward
+  step with optim.apply_in_backward, else `_train_step` (the fused
+  optimizer's where it runs, with per-layer gradients under unrolled
+  layers)."""
+  o = config.optim
+  if o.apply_in_backward:
+    return in_backward.make_train_step(
+        task, graphdef, **_adamw_args(config), group_size=o.group_size,
+        expansion=o.expansion, clip=o.in_backward_clip,
+        clip_norm=o.clip_norm)
+  uses_fused = config_lib.uses_fused_optimizer(o)
+  # The params' specs as placed (`sharding.named` fits each to its leaf's
+  # shape), which the optimizer's per-shard kernels must match.
+  fused_update = (_fused_update(config, jax.tree.map(
+      lambda s: s.spec, state_shardings['params'])) if uses_fused else None)
+  micro_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, None))
+  loss_and_grads = _accumulated(
+      _loss_and_grads(task, graphdef,
+                      per_layer=uses_fused and not task.decoder.scan_layers),
+      config.train.microbatches, micro_sharding)
+  return _train_step(loss_and_grads, tx, fused_update)
 
 
 def build(config: config_lib.Config, devices=None) -> Setup:
@@ -363,26 +382,15 @@ def build(config: config_lib.Config, devices=None) -> Setup:
     return jax.jit(new_state, out_shardings=state_shardings,
                    donate_argnums=0)(params)
 
-  uses_fused = config_lib.uses_fused_optimizer(config.optim)
-  # The params' specs as placed (`sharding.named` fits each to its leaf's
-  # shape), which the optimizer's per-shard kernels must match.
-  fused_update = (_fused_update(config, jax.tree.map(
-      lambda s: s.spec, state_shardings['params'])) if uses_fused else None)
-  batch_sharding = sharding.batch_sharding(mesh)
-  micro_sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, None))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  loss_and_grads = _accumulated(
-      _loss_and_grads(task, graphdef,
-                      per_layer=uses_fused and not arch.scan_layers),
-      config.train.microbatches, micro_sharding)
+  batch_sharding = sharding.batch_sharding(mesh)
   batch_shardings = (batch_sharding,) * len(task.batch_shapes(1))
 
   def eval_step(params, *batch):
     return task.loss(nnx.merge(graphdef, params), *batch)
 
   train_step = jax.jit(
-      _train_step(loss_and_grads, tx, fused_update),
+      _step_function(config, task, graphdef, tx, state_shardings, mesh),
       in_shardings=(state_shardings, *batch_shardings),
       out_shardings=(state_shardings, replicated), donate_argnums=0,
       compiler_options=collective_options(

@@ -36,12 +36,16 @@ def test_overrides_parse_by_type():
   config = training.apply_overrides(training.Config(), [
       'model.recipe=bf16', 'train.batch_size=32', 'optim.learning_rate=1e-4',
       'optim.expansion=false', 'optim.moment_dtypes=e4m3,e5m2',
-      'model.hidden_size=128', 'data.tokenizer=none'])
+      'model.hidden_size=128', 'data.tokenizer=none',
+      'optim.apply_in_backward=true', 'optim.in_backward_clip=none'])
   assert config.model.recipe == recipes.BF16
   assert config.train.batch_size == 32
   assert config.optim.learning_rate == 1e-4 and not config.optim.expansion
   assert config.optim.moment_dtypes == ('e4m3', 'e5m2')
   assert config.model.hidden_size == 128 and config.data.tokenizer is None
+  assert config.optim.apply_in_backward is True
+  assert config.optim.in_backward_clip == 'none'
+  training.validate(config, 1)  # an in-backward step can run this
   assert training.Config().train.batch_size == 16  # defaults untouched
   assert training.Config().model.recipe == recipes.COAT
 
@@ -141,6 +145,21 @@ def test_bad_overrides(override, message):
     ('train.compilation_cache_max_gib=-1', 1,
      r'train.compilation_cache_max_gib must be >= 0 \(0: no bound\)'),
     ('optim.fused=true optim.name=adamw', 1, 'optim.fused=true needs'),
+    ('optim.in_backward_clip=global', 1,
+     r"optim.in_backward_clip='global' must be one of \('previous', 'none'\)"),
+    # What an in-backward step cannot run with, and the setting to change.
+    ('optim.apply_in_backward=true model.scan_layers=true', 1,
+     r'optim.apply_in_backward=true needs unrolled layers'
+     r' \(model.scan_layers=false\)'),
+    ('optim.apply_in_backward=true train.microbatches=2', 1,
+     r'cannot accumulate microbatches \(train.microbatches=2: set 1\)'),
+    ('optim.apply_in_backward=true optim.name=adamw', 1,
+     r'needs the fused optimizer \(optim.name=coat_adamw with FP8 moments'),
+    ('optim.apply_in_backward=true optim.fused=false', 1,
+     r'needs the fused optimizer .*optim.fused unset or true'),
+    ('optim.apply_in_backward=true', 8,
+     r'runs on one device \(8 given: make one visible, e.g.'
+     r' CUDA_VISIBLE_DEVICES=0\)'),
 ])
 def test_bad_configs(override, devices, message):
   config = training.apply_overrides(training.Config(), override.split())
