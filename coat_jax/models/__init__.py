@@ -13,6 +13,7 @@ from coat_jax.models.families import FAMILIES
 from coat_jax.models.families import preset
 from coat_jax.models.gemma3 import Gemma3Config
 from coat_jax.models.hf import load_hf
+from coat_jax.models.hf import load_siglip
 from coat_jax.models.hf import save_hf
 from coat_jax.models.llama import Llama
 from coat_jax.models.llama import LlamaConfig
@@ -23,7 +24,6 @@ from coat_jax.models.qwen2 import Qwen2Config
 from coat_jax.models.qwen3 import Qwen3Config
 from coat_jax.models.vit import ViT
 from coat_jax.models.vit import ViTConfig
-from coat_jax.models.vit import load_siglip
 from coat_jax.models.vlm import VLM
 from coat_jax.models.vlm import VLMConfig
 from coat_jax.models.vlm import vlm_loss

@@ -25,9 +25,11 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401 (registers numpy's 'bfloat16' for safetensors)
 import numpy as np
 
+from coat_jax import conversion
 from coat_jax import recipes
 from coat_jax.models import decoder
 from coat_jax.models import families
+from coat_jax.models import vit
 
 CONFIG_FILE = 'config.json'
 SINGLE_FILE = 'model.safetensors'
@@ -322,7 +324,7 @@ def load_hf(path: str | os.PathLike,
   """A `Decoder` with the weights of an HF checkpoint directory of any
   supported family (config.json's model_type: llama, mistral, qwen2,
   qwen3, olmo2, gemma3_text), or a SigLIP vision tower ('siglip_vision_model'
-  or 'siglip', `vit.load_siglip`) as a `vit.ViT` converted with the recipe
+  or 'siglip', `load_siglip`) as a `vit.ViT` converted with the recipe
   (`coat_jax.convert`; its `conversion` is the report).
 
   Args:
@@ -374,10 +376,6 @@ SIGLIP_MODEL_TYPES = ('siglip_vision_model', 'siglip')
 def _load_siglip(path, recipe, *, shardings, dtype, param_dtype,
                  overrides) -> nnx.Module:
   """`load_hf` of a SigLIP checkpoint: its vision tower, converted."""
-  # vit reads its checkpoints through this module: imported here.
-  from coat_jax import conversion  # noqa: PLC0415
-  from coat_jax.models import vit  # noqa: PLC0415
-
   if shardings is not None or overrides:
     raise ValueError(
         f'load_hf({path}): a SigLIP vision tower loads onto the default'
@@ -386,7 +384,7 @@ def _load_siglip(path, recipe, *, shardings, dtype, param_dtype,
            if shardings is not None else f'{sorted(overrides)}') + '.')
   group = (recipe.activation_group_size if recipe.fp8_activations
            else None)
-  tower = vit.load_siglip(path, dtype=dtype, param_dtype=param_dtype,
+  tower = load_siglip(path, dtype=dtype, param_dtype=param_dtype,
                           activation_group_size=group)
   tower.conversion = conversion.convert(tower, recipe)
   return tower
@@ -484,3 +482,148 @@ def save_hf(model: decoder.Decoder, path: str | os.PathLike, *,
                  'weight_map': weight_map}, f, indent=2)
   with open(os.path.join(path, CONFIG_FILE), 'w') as f:
     json.dump(hf, f, indent=2)
+
+
+# --- SigLIP checkpoints -----------------------------------------------------
+
+# SiglipVisionConfig's defaults: a full 'siglip' config.json may list only
+# the fields that differ from them.
+_SIGLIP_DEFAULTS = dict(
+    image_size=224, patch_size=16, num_channels=3, hidden_size=768,
+    intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    layer_norm_eps=1e-6, hidden_act='gelu_pytorch_tanh')
+_SIGLIP_ACTIVATIONS = {'gelu_pytorch_tanh': 'gelu_tanh',
+                       'gelu_new': 'gelu_tanh', 'gelu': 'gelu'}
+# Where a checkpoint keeps the vision tower: a full SigLIP model and
+# transformers 4's SiglipVisionModel under 'vision_model.', transformers
+# 5's SiglipVisionModel at the top.
+_PREFIXES = {'siglip': ('vision_model.',),
+             'siglip_vision_model': ('vision_model.', '')}
+_PROBE = 'embeddings.patch_embedding.weight'
+
+
+def config_from_siglip(hf_config: dict) -> vit.ViTConfig:
+  """The ViTConfig of a SigLIP config.json dict: model_type
+  'siglip_vision_model' (a `SiglipVisionModel`), or 'siglip' (its
+  `vision_config`).
+
+  Raises:
+    ValueError: another model_type, or an activation the ViT lacks (naming
+      the config.json field).
+  """
+  model_type = hf_config.get('model_type')
+  if model_type not in _PREFIXES:
+    raise ValueError(
+        f'config.json: model_type={model_type!r} is not a SigLIP vision'
+        f' tower; load_siglip reads {sorted(_PREFIXES)}.')
+  field = 'vision_config.' if model_type == 'siglip' else ''
+  vision = hf_config.get('vision_config') or {}
+  hf_vision = {**_SIGLIP_DEFAULTS,
+               **(vision if model_type == 'siglip' else hf_config)}
+  act = hf_vision['hidden_act']
+  if act not in _SIGLIP_ACTIVATIONS:
+    raise ValueError(
+        f'config.json: {field}hidden_act={act!r} is not supported; the ViT'
+        f' runs {sorted(_SIGLIP_ACTIVATIONS)}.')
+  return vit.ViTConfig(
+      image_size=hf_vision['image_size'], patch_size=hf_vision['patch_size'],
+      num_channels=hf_vision['num_channels'],
+      hidden_size=hf_vision['hidden_size'],
+      intermediate_size=hf_vision['intermediate_size'],
+      num_layers=hf_vision['num_hidden_layers'],
+      num_heads=hf_vision['num_attention_heads'],
+      layer_norm_eps=hf_vision['layer_norm_eps'],
+      activation=_SIGLIP_ACTIVATIONS[act])
+
+
+def _siglip_tensor(path: tuple[str | int, ...]) -> tuple[str, Callable]:
+  """(SigLIP tensor name without the prefix, numpy transform to the ViT's
+  layout) of a ViT param path."""
+  if path == ('patch_embedding', 'kernel'):
+    # Conv2d (D, C, p, p) -> Linear over (row, column, channel) patches.
+    return ('embeddings.patch_embedding.weight',
+            lambda w: w.transpose(2, 3, 1, 0).reshape(-1, w.shape[0]))
+  if path == ('patch_embedding', 'bias'):
+    return 'embeddings.patch_embedding.bias', lambda w: w
+  if path == ('position_embedding',):
+    return 'embeddings.position_embedding.weight', lambda w: w
+  leaf = {'kernel': 'weight', 'scale': 'weight', 'bias': 'bias'}[path[-1]]
+  module = '.'.join(map(str, path[:-1]))
+  if path[0] == 'layers':
+    module = f'encoder.{module}'
+  if path[-1] == 'kernel':  # nn.Linear (out, in) -> (in, out)
+    return f'{module}.{leaf}', lambda w: w.T
+  return f'{module}.{leaf}', lambda w: w
+
+
+def load_siglip(path: str | os.PathLike, *, dtype: Any = jnp.bfloat16,
+                param_dtype: Any = jnp.float32,
+                activation_group_size: int | None = None) -> vit.ViT:
+  """A `vit.ViT` with the weights of a SigLIP vision tower.
+
+  Reads a transformers `SiglipVisionModel` checkpoint (config.json
+  model_type 'siglip_vision_model') or a full `SiglipModel` one
+  ('siglip': its vision_config and `vision_model.*` tensors); the pooling
+  head (`vision_use_head`) and the text tower are not read. Its
+  `last_hidden_state` is the ViT's output.
+
+  Args:
+    path: directory with config.json and model.safetensors (or sharded
+      files with model.safetensors.index.json).
+    dtype: activation dtype (float32 for exact comparisons).
+    param_dtype: parameter dtype.
+    activation_group_size: see `vit.ViT`.
+
+  Returns:
+    The ViT, params on the default device.
+
+  Raises:
+    FileNotFoundError: no config.json or safetensors.
+    ValueError: not a SigLIP checkpoint, a missing tensor, or a tensor whose
+      shape config.json does not imply.
+  """
+  path = os.fspath(path)
+  hf_config = read_hf_config(path)
+  config = config_from_siglip(hf_config)
+
+  def make():
+    with nnx.use_eager_sharding(False):
+      return vit.ViT(config, dtype=dtype, param_dtype=param_dtype,
+                 activation_group_size=activation_group_size,
+                 rngs=nnx.Rngs(0))
+
+  graphdef, abstract, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+  with _Tensors(path) as tensors:
+    prefix = _tensor_prefix(tensors, hf_config['model_type'], path)
+
+    def read(key_path, leaf):
+      p = tuple(k.key for k in key_path)
+      name, transform = _siglip_tensor(p)
+      name = prefix + name
+      shape = tensors.shape(name)
+      w = transform(tensors.read(name, tuple(slice(None) for _ in shape)))
+      if w.shape != leaf.shape:
+        raise ValueError(
+            f'{path}: tensor {name!r} has shape {shape}; config.json implies'
+            f' the ViT param {"/".join(map(str, p))} {leaf.shape}.')
+      return jnp.asarray(np.asarray(w, np.float32), leaf.dtype)
+
+    params = jax.tree_util.tree_map_with_path(read,
+                                              nnx.to_pure_dict(abstract))
+  nnx.replace_by_pure_dict(abstract, params)
+  return nnx.merge(graphdef, abstract, rest)
+
+
+def _tensor_prefix(tensors: '_Tensors', model_type: str,
+                   path: str) -> str:
+  """The prefix of the vision tower's tensor names in this checkpoint."""
+  for prefix in _PREFIXES[model_type]:
+    try:
+      tensors.shape(prefix + _PROBE)
+    except ValueError:
+      continue
+    return prefix
+  raise ValueError(
+      f'{path}: no SigLIP vision tower: none of'
+      f' {[p + _PROBE for p in _PREFIXES[model_type]]} is in the'
+      ' checkpoint.')

@@ -19,7 +19,6 @@ self_attn.{q,k,v,out}_proj, layer_norm2, mlp.fc1, mlp.fc2}`,
 from collections.abc import Callable
 import dataclasses
 import functools
-import os
 from typing import Any
 from typing import ClassVar
 
@@ -29,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from coat_jax import nn as coat_nn
-from coat_jax.models import hf
 from coat_jax.nn import partitioning
 
 ACTIVATIONS = ('gelu_tanh', 'gelu')
@@ -291,148 +289,3 @@ class ViT(nnx.Module):
     for layer in self.layers:
       x = layer(x)
     return self.post_layernorm(x)
-
-
-# --- SigLIP checkpoints -----------------------------------------------------
-
-# SiglipVisionConfig's defaults: a full 'siglip' config.json may list only
-# the fields that differ from them.
-_SIGLIP_DEFAULTS = dict(
-    image_size=224, patch_size=16, num_channels=3, hidden_size=768,
-    intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-    layer_norm_eps=1e-6, hidden_act='gelu_pytorch_tanh')
-_SIGLIP_ACTIVATIONS = {'gelu_pytorch_tanh': 'gelu_tanh',
-                       'gelu_new': 'gelu_tanh', 'gelu': 'gelu'}
-# Where a checkpoint keeps the vision tower: a full SigLIP model and
-# transformers 4's SiglipVisionModel under 'vision_model.', transformers
-# 5's SiglipVisionModel at the top.
-_PREFIXES = {'siglip': ('vision_model.',),
-             'siglip_vision_model': ('vision_model.', '')}
-_PROBE = 'embeddings.patch_embedding.weight'
-
-
-def config_from_siglip(hf_config: dict) -> ViTConfig:
-  """The ViTConfig of a SigLIP config.json dict: model_type
-  'siglip_vision_model' (a `SiglipVisionModel`), or 'siglip' (its
-  `vision_config`).
-
-  Raises:
-    ValueError: another model_type, or an activation the ViT lacks (naming
-      the config.json field).
-  """
-  model_type = hf_config.get('model_type')
-  if model_type not in _PREFIXES:
-    raise ValueError(
-        f'config.json: model_type={model_type!r} is not a SigLIP vision'
-        f' tower; load_siglip reads {sorted(_PREFIXES)}.')
-  field = 'vision_config.' if model_type == 'siglip' else ''
-  vision = hf_config.get('vision_config') or {}
-  hf_vision = {**_SIGLIP_DEFAULTS,
-               **(vision if model_type == 'siglip' else hf_config)}
-  act = hf_vision['hidden_act']
-  if act not in _SIGLIP_ACTIVATIONS:
-    raise ValueError(
-        f'config.json: {field}hidden_act={act!r} is not supported; the ViT'
-        f' runs {sorted(_SIGLIP_ACTIVATIONS)}.')
-  return ViTConfig(
-      image_size=hf_vision['image_size'], patch_size=hf_vision['patch_size'],
-      num_channels=hf_vision['num_channels'],
-      hidden_size=hf_vision['hidden_size'],
-      intermediate_size=hf_vision['intermediate_size'],
-      num_layers=hf_vision['num_hidden_layers'],
-      num_heads=hf_vision['num_attention_heads'],
-      layer_norm_eps=hf_vision['layer_norm_eps'],
-      activation=_SIGLIP_ACTIVATIONS[act])
-
-
-def _siglip_tensor(path: tuple[str | int, ...]) -> tuple[str, Callable]:
-  """(SigLIP tensor name without the prefix, numpy transform to the ViT's
-  layout) of a ViT param path."""
-  if path == ('patch_embedding', 'kernel'):
-    # Conv2d (D, C, p, p) -> Linear over (row, column, channel) patches.
-    return ('embeddings.patch_embedding.weight',
-            lambda w: w.transpose(2, 3, 1, 0).reshape(-1, w.shape[0]))
-  if path == ('patch_embedding', 'bias'):
-    return 'embeddings.patch_embedding.bias', lambda w: w
-  if path == ('position_embedding',):
-    return 'embeddings.position_embedding.weight', lambda w: w
-  leaf = {'kernel': 'weight', 'scale': 'weight', 'bias': 'bias'}[path[-1]]
-  module = '.'.join(map(str, path[:-1]))
-  if path[0] == 'layers':
-    module = f'encoder.{module}'
-  if path[-1] == 'kernel':  # nn.Linear (out, in) -> (in, out)
-    return f'{module}.{leaf}', lambda w: w.T
-  return f'{module}.{leaf}', lambda w: w
-
-
-def load_siglip(path: str | os.PathLike, *, dtype: Any = jnp.bfloat16,
-                param_dtype: Any = jnp.float32,
-                activation_group_size: int | None = None) -> ViT:
-  """A `ViT` with the weights of a SigLIP vision tower.
-
-  Reads a transformers `SiglipVisionModel` checkpoint (config.json
-  model_type 'siglip_vision_model') or a full `SiglipModel` one
-  ('siglip': its vision_config and `vision_model.*` tensors); the pooling
-  head (`vision_use_head`) and the text tower are not read. Its
-  `last_hidden_state` is the ViT's output.
-
-  Args:
-    path: directory with config.json and model.safetensors (or sharded
-      files with model.safetensors.index.json).
-    dtype: activation dtype (float32 for exact comparisons).
-    param_dtype: parameter dtype.
-    activation_group_size: see `ViT`.
-
-  Returns:
-    The ViT, params on the default device.
-
-  Raises:
-    FileNotFoundError: no config.json or safetensors.
-    ValueError: not a SigLIP checkpoint, a missing tensor, or a tensor whose
-      shape config.json does not imply.
-  """
-  path = os.fspath(path)
-  hf_config = hf.read_hf_config(path)
-  config = config_from_siglip(hf_config)
-
-  def make():
-    with nnx.use_eager_sharding(False):
-      return ViT(config, dtype=dtype, param_dtype=param_dtype,
-                 activation_group_size=activation_group_size,
-                 rngs=nnx.Rngs(0))
-
-  graphdef, abstract, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
-  with hf._Tensors(path) as tensors:
-    prefix = _tensor_prefix(tensors, hf_config['model_type'], path)
-
-    def read(key_path, leaf):
-      p = tuple(k.key for k in key_path)
-      name, transform = _siglip_tensor(p)
-      name = prefix + name
-      shape = tensors.shape(name)
-      w = transform(tensors.read(name, tuple(slice(None) for _ in shape)))
-      if w.shape != leaf.shape:
-        raise ValueError(
-            f'{path}: tensor {name!r} has shape {shape}; config.json implies'
-            f' the ViT param {"/".join(map(str, p))} {leaf.shape}.')
-      return jnp.asarray(np.asarray(w, np.float32), leaf.dtype)
-
-    params = jax.tree_util.tree_map_with_path(read,
-                                              nnx.to_pure_dict(abstract))
-  nnx.replace_by_pure_dict(abstract, params)
-  return nnx.merge(graphdef, abstract, rest)
-
-
-def _tensor_prefix(tensors: 'hf._Tensors', model_type: str,
-                   path: str) -> str:
-  """The prefix of the vision tower's tensor names in this checkpoint."""
-  for prefix in _PREFIXES[model_type]:
-    try:
-      tensors.shape(prefix + _PROBE)
-    except ValueError:
-      continue
-    return prefix
-  raise ValueError(
-      f'{path}: no SigLIP vision tower: none of'
-      f' {[p + _PROBE for p in _PREFIXES[model_type]]} is in the'
-      ' checkpoint.')

@@ -59,10 +59,10 @@ ModelConfig = dataclasses.make_dataclass(
     safetensors) of a supported family: the first run starts from its
     weights, its config.json sets the architecture (the preset is ignored)
     and data.source=text uses its tokenizer.json.
-  vision_init_from: a SigLIP checkpoint directory (`vit.load_siglip`): a
-    VLM preset's first run starts its vision tower from its weights (their
-    config must match the preset's ViT; the projector and the decoder
-    start random).
+  vision_init_from: a SigLIP checkpoint directory
+    (`coat_jax.models.load_siglip`): a VLM preset's first run starts its
+    vision tower from its weights (their config must match the preset's
+    ViT; the projector and the decoder start random).
   Every other field overrides the `DecoderConfig` field of its name (None:
   the preset's or the checkpoint's value), e.g. model.num_layers=4,
   model.scan_layers=true, model.remat=full (see `coat_jax.models.remat`).

@@ -363,7 +363,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       params = jax.jit(model_params,
                        out_shardings=state_shardings['params'])()
       params['vision'] = jax.device_put(
-          nnx.to_pure_dict(nnx.state(vit.load_siglip(vision_from),
+          nnx.to_pure_dict(nnx.state(hf.load_siglip(vision_from),
                                      nnx.Param)),
           state_shardings['params']['vision'])
       return jax.jit(new_state, out_shardings=state_shardings,
@@ -412,7 +412,7 @@ def build(config: config_lib.Config, devices=None) -> Setup:
 def check_vision_checkpoint(path: str, want: vit.ViTConfig) -> None:
   """Raises ValueError unless the SigLIP checkpoint at `path` has the
   architecture `want` (a VLM preset's ViT), naming the fields that differ."""
-  got = vit.config_from_siglip(hf.read_hf_config(path))
+  got = hf.config_from_siglip(hf.read_hf_config(path))
   differ = [f'{f.name}: {getattr(got, f.name)!r} there,'
             f' {getattr(want, f.name)!r} here'
             for f in dataclasses.fields(want)

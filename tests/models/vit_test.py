@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import coat_jax
+from coat_jax.models import hf
 from coat_jax.models import vit
 from coat_jax.nn import CoatLayerNorm
 from coat_jax.nn import CoatLinear
@@ -67,7 +68,7 @@ def test_siglip_vision_model_features_equal_transformers(siglip_vision, act):
   2.5e-7 for both activations)."""
   path, reference = siglip_vision[act]
   images = _images(SEED)
-  model = vit.load_siglip(path, dtype=jnp.float32)
+  model = hf.load_siglip(path, dtype=jnp.float32)
   assert model.config.activation == {'gelu_pytorch_tanh': 'gelu_tanh',
                                      'gelu': 'gelu'}[act]
   error = _relative_error(model(jnp.asarray(images)),
@@ -92,7 +93,7 @@ def test_full_siglip_checkpoint_loads_its_vision_tower(tmp_path):
   assert json.load(open(tmp_path / 'config.json'))['model_type'] == 'siglip'
   images = _images(SEED + 1)
   error = _relative_error(
-      vit.load_siglip(tmp_path, dtype=jnp.float32)(jnp.asarray(images)),
+      hf.load_siglip(tmp_path, dtype=jnp.float32)(jnp.asarray(images)),
       _siglip_features(model.vision_model, images))
   assert error < 1e-5
 
@@ -113,7 +114,7 @@ def test_vision_model_checkpoint_with_prefixed_names(siglip_vision,
     (tmp_path / 'config.json').write_text(f.read())
   images = _images(SEED + 2)
   error = _relative_error(
-      vit.load_siglip(tmp_path, dtype=jnp.float32)(jnp.asarray(images)),
+      hf.load_siglip(tmp_path, dtype=jnp.float32)(jnp.asarray(images)),
       _siglip_features(reference, images))
   assert error < 1e-5
 
@@ -129,12 +130,12 @@ def test_vit_b16_preset_has_siglip_b16s_tensors():
   shapes = {k.removeprefix('vision_model.'): tuple(v.shape)
             for k, v in model.state_dict().items()}
   config = vit.ViTConfig.preset('vit_b16')
-  assert vit.config_from_siglip(model.config.to_dict()) == config
+  assert hf.config_from_siglip(model.config.to_dict()) == config
   abstract = nnx.eval_shape(lambda: vit.ViT(config, rngs=nnx.Rngs(0)))
   read = set()
   for key_path, leaf in jax.tree_util.tree_leaves_with_path(
       nnx.to_pure_dict(nnx.state(abstract, nnx.Param))):
-    name, transform = vit._siglip_tensor(tuple(k.key for k in key_path))
+    name, transform = hf._siglip_tensor(tuple(k.key for k in key_path))
     assert transform(np.zeros(shapes[name], np.float32)).shape == leaf.shape
     read.add(name)
   assert set(shapes) - read == {n for n in shapes if n.startswith('head.')}
@@ -146,13 +147,13 @@ def test_vit_b16_preset_has_siglip_b16s_tensors():
 
 
 def test_config_from_siglip_defaults_and_errors():
-  assert (vit.config_from_siglip({'model_type': 'siglip', 'vision_config': {}})
+  assert (hf.config_from_siglip({'model_type': 'siglip', 'vision_config': {}})
           == vit.ViTConfig.preset('vit_b16'))
   with pytest.raises(ValueError, match=r"model_type='clip' is not a SigLIP"):
-    vit.config_from_siglip({'model_type': 'clip'})
+    hf.config_from_siglip({'model_type': 'clip'})
   with pytest.raises(ValueError,
                      match=r"vision_config.hidden_act='quick_gelu' is not"):
-    vit.config_from_siglip({'model_type': 'siglip',
+    hf.config_from_siglip({'model_type': 'siglip',
                             'vision_config': {'hidden_act': 'quick_gelu'}})
 
 
@@ -166,11 +167,11 @@ def test_checkpoint_that_disagrees_with_its_config(siglip_vision, tmp_path):
   with pytest.raises(ValueError, match=r"'encoder.layers.0.mlp.fc1.bias'"
                      r' has shape \(96,\); config.json implies the ViT'
                      r' param layers/0/mlp/fc1/bias \(128,\)'):
-    vit.load_siglip(tmp_path)
+    hf.load_siglip(tmp_path)
   hf_config['model_type'] = 'siglip'
   (tmp_path / 'config.json').write_text(json.dumps(hf_config))
   with pytest.raises(ValueError, match='no SigLIP vision tower'):
-    vit.load_siglip(tmp_path)
+    hf.load_siglip(tmp_path)
 
 
 def test_convert_turns_every_layer_into_fp8_and_saves_fp8():
@@ -253,7 +254,7 @@ def test_load_hf_reads_a_siglip_tower_converted_with_the_recipe(
   plain = coat_jax.models.load_hf(path, 'bf16', dtype=jnp.float32)
   assert isinstance(plain, vit.ViT) and not plain.conversion.converted
   np.testing.assert_array_equal(
-      plain(images), vit.load_siglip(path, dtype=jnp.float32)(images))
+      plain(images), hf.load_siglip(path, dtype=jnp.float32)(images))
   coat = coat_jax.models.load_hf(path, dtype=jnp.float32)
   kinds = {type(m) for _, m in nnx.iter_graph(coat)}
   assert CoatLinear in kinds and CoatLayerNorm in kinds

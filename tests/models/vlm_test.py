@@ -12,6 +12,7 @@ import pytest
 import coat_jax
 from coat_jax import recipes
 import coat_jax.models as cm
+from coat_jax.models import hf
 from coat_jax.models import vit
 from coat_jax.models import vlm
 from coat_jax.nn import CoatLayerNorm
@@ -156,7 +157,7 @@ def test_pretrained_siglip_tower_goes_into_the_vlm(tmp_path):
       num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
       image_size=v.image_size, patch_size=v.patch_size)
   transformers.SiglipVisionModel(hf_config).save_pretrained(tmp_path)
-  tower = vit.load_siglip(tmp_path, activation_group_size=16)
+  tower = hf.load_siglip(tmp_path, activation_group_size=16)
   assert tower.config == v
   model = vlm.VLM(CONFIG, recipe='coat', rngs=nnx.Rngs(SEED))
   nnx.update(model.vision, nnx.state(tower, nnx.Param))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from coat_jax import training
+from coat_jax.models import hf
 from coat_jax.training import config as config_lib
 from coat_jax.training import data as data_lib
 from coat_jax.training import planning
@@ -223,13 +224,12 @@ def _siglip_checkpoint(path, **overrides):
 
 def test_a_vlm_run_starts_its_vision_tower_from_a_siglip_checkpoint(
     tmp_path):
-  from coat_jax.models import vit  # noqa: PLC0415
   siglip = _siglip_checkpoint(tmp_path / 'siglip')
   config = training.apply_overrides(
       _vlm_config(tmp_path), [f'model.vision_init_from={siglip}'])
   setup = trainer.build(config, devices=jax.devices()[:2])
   params = setup.init_state()['params']
-  want = nnx.to_pure_dict(nnx.state(vit.load_siglip(siglip), nnx.Param))
+  want = nnx.to_pure_dict(nnx.state(hf.load_siglip(siglip), nnx.Param))
   jax.tree.map(np.testing.assert_array_equal, params['vision'], want)
   random = trainer.build(_vlm_config(tmp_path), jax.devices()[:2])
   # The rest starts as a run without the checkpoint does.
