@@ -6,6 +6,7 @@ import os
 import pytest
 
 from coat_jax import training
+from coat_jax.training import trainer
 
 
 @pytest.fixture(scope='session')
@@ -39,3 +40,28 @@ def tiny_config(corpus, tmp_path):
         setattr(target, k, v)
     return config
   return make
+
+
+@pytest.fixture
+def ctrl_c_at_call(monkeypatch):
+  """ctrl_c_at_call(n): the train steps `trainer.build` makes from then on
+  raise KeyboardInterrupt (a Ctrl-C) at their n-th call instead of
+  running it."""
+  def install(n: int) -> None:
+    build = trainer.build
+
+    def build_with_ctrl_c(*args, **kwargs):
+      setup = build(*args, **kwargs)
+      step, calls = setup.train_step, []
+
+      def interrupted(*a):
+        calls.append(1)
+        if len(calls) == n:
+          raise KeyboardInterrupt
+        return step(*a)
+
+      setup.train_step = interrupted
+      return setup
+
+    monkeypatch.setattr(trainer, 'build', build_with_ctrl_c)
+  return install

@@ -18,7 +18,6 @@ import pytest
 from coat_jax import training
 from coat_jax.checkpoint import DamagedCheckpointError
 from coat_jax.training import metrics as metrics_lib
-from coat_jax.training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 needs_tensorboardx = pytest.mark.skipif(
@@ -70,26 +69,11 @@ def test_turning_saving_off_warns_at_the_start(tiny_config, capsys):
                                     '[0-9]*'))
 
 
-def test_a_stop_right_after_a_periodic_save_keeps_that_save(tiny_config,
-                                                            monkeypatch):
+def test_a_stop_right_after_a_periodic_save_keeps_that_save(
+    tiny_config, ctrl_c_at_call):
   """Ctrl-C during the step after a save: the step saved is not saved
   again (orbax refuses a step that exists)."""
-  build = trainer.build
-
-  def build_with_ctrl_c_in_step_3(*args, **kwargs):
-    setup = build(*args, **kwargs)
-    step, calls = setup.train_step, []
-
-    def interrupted(*a):
-      calls.append(1)
-      if len(calls) == 3:
-        raise KeyboardInterrupt
-      return step(*a)
-
-    setup.train_step = interrupted
-    return setup
-
-  monkeypatch.setattr(trainer, 'build', build_with_ctrl_c_in_step_3)
+  ctrl_c_at_call(3)
   config = tiny_config(train={'steps': 6, 'checkpoint_every': 2})
   summary = _train(config)
   assert summary['interrupted'] and summary['step'] == 2

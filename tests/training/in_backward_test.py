@@ -286,7 +286,7 @@ def _saved_state(config, step):
 
 
 def test_a_run_trains_and_resumes_bit_exactly(tiny_config, tmp_path,
-                                              monkeypatch):
+                                              monkeypatch, ctrl_c_at_call):
   """train.py with optim.apply_in_backward=true: a run stopped after step 3
   (its checkpoint keeps the previous norm) and resumed ends where an
   uninterrupted run does, bit for bit."""
@@ -300,23 +300,9 @@ def test_a_run_trains_and_resumes_bit_exactly(tiny_config, tmp_path,
   assert len(norms) == 5 and max(norms[:3]) > whole.optim.clip_norm
   assert summary['memory']['gradients'] < summary['memory']['params']
 
-  build = trainer.build
-
-  def build_with_ctrl_c_at_step_4(*args, **kwargs):
-    setup = build(*args, **kwargs)
-    step, calls = setup.train_step, []
-
-    def interrupted(*a):
-      calls.append(1)
-      if len(calls) == 4:
-        raise KeyboardInterrupt
-      return step(*a)
-
-    setup.train_step = interrupted
-    return setup
-
   part = config('part')
-  monkeypatch.setattr(trainer, 'build', build_with_ctrl_c_at_step_4)
+  build = trainer.build
+  ctrl_c_at_call(4)
   assert training.train(part, devices=ONE)['step'] == 3
   monkeypatch.setattr(trainer, 'build', build)
   np.testing.assert_array_equal(

@@ -220,27 +220,13 @@ def test_fp8_state_carries_the_param_sharding(tiny_config):
 
 
 def test_ctrl_c_saves_and_resume_is_bit_exact(tiny_config, tmp_path,
-                                               monkeypatch):
+                                               monkeypatch, ctrl_c_at_call):
   full = tiny_config(train={'steps': 6, 'run_dir': str(tmp_path / 'full')})
   _, full_losses = _train(full, jax.devices()[:1])
 
-  build = trainer.build
-
-  def build_with_ctrl_c_at_step_4(*args, **kwargs):
-    setup = build(*args, **kwargs)
-    step, calls = setup.train_step, []
-
-    def interrupted(*a):
-      calls.append(1)
-      if len(calls) == 4:
-        raise KeyboardInterrupt
-      return step(*a)
-
-    setup.train_step = interrupted
-    return setup
-
   part = tiny_config(train={'steps': 6, 'run_dir': str(tmp_path / 'part')})
-  monkeypatch.setattr(trainer, 'build', build_with_ctrl_c_at_step_4)
+  build = trainer.build
+  ctrl_c_at_call(4)
   summary, _ = _train(part, jax.devices()[:1])
   assert summary['interrupted'] and summary['step'] == 3
   monkeypatch.setattr(trainer, 'build', build)
