@@ -1,5 +1,5 @@
 """End-to-end train step speed and memory: coat_jax's modes against plain
-BF16 (RESULTS.md "e2e-1b" and "e2e-7b").
+BF16 (RESULTS.md "e2e-1b", "e2e-7b" and "vlm").
 
   PYTHONPATH=. python benchmarks/e2e.py --preset 1b --modes plain,coat \\
       --variants coat_block=coat:model.scaling=block [--scanned] [--profile]

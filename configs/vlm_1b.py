@@ -15,7 +15,7 @@ def get_config() -> Config:
       model=ModelConfig(preset='vlm_1b', recipe='coat'),
       optim=OptimConfig(learning_rate=5e-4, warmup_steps=50),
       data=DataConfig(source='shapes'),
-      train=TrainConfig(steps=300, batch_size=32, eval_every=100,
-                        eval_batches=16, checkpoint_every=1000, log_every=10,
+      train=TrainConfig(steps=700, batch_size=32, eval_every=350,
+                        eval_batches=32, checkpoint_every=1000, log_every=10,
                         run_dir='runs/vlm_1b'),
   )

@@ -172,16 +172,18 @@ def collective_options(num_devices: int, xla_flags: str = '') -> dict:
 
 def model_factory(config: config_lib.Config
                   ) -> tuple[tasks.Task, Any]:
-  """(the task, make_model) of config: make_model() builds the model
-  (random params from train.seed), unplaced."""
+  """(the task, make_model) of config: make_model(seed) builds the model
+  (random params from seed, an int or an int32 scalar array; train.seed by
+  default), unplaced."""
   task = tasks.of_config(config)
   recipe = config_lib.recipe(config.model)
 
-  def make_model():
+  def make_model(seed=None):
+    seed = config.train.seed if seed is None else seed
     # Placement comes from this module's fitted rules, not from eager
     # sharding by the logical names.
     with nnx.use_eager_sharding(False):
-      return task.make_model(recipe, nnx.Rngs(config.train.seed))
+      return task.make_model(recipe, nnx.Rngs(jax.random.key(seed)))
   return task, make_model
 
 
@@ -339,8 +341,8 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   graphdef, _ = nnx.split(abstract_model)
   tx = make_optimizer(config)
 
-  def model_params():
-    return nnx.to_pure_dict(nnx.state(make_model(), nnx.Param))
+  def model_params(seed=None):
+    return nnx.to_pure_dict(nnx.state(make_model(seed), nnx.Param))
 
   def new_state(params):
     return {'params': params, 'opt_state': tx.init(params),
@@ -359,9 +361,15 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   def init_state():
     """A new run's state, placed: random params, or model.init_from's
     (model.vision_init_from's in a VLM's vision tower)."""
+    # The seed enters each jit as an argument: a constant key would let
+    # XLA fold the random params into constants at compile time, minutes
+    # for a model of many separately initialized weights (a ViT).
+    seed = jax.device_put(np.int32(config.train.seed),
+                          jax.sharding.NamedSharding(
+                              mesh, jax.sharding.PartitionSpec()))
     if vision_from is not None:
       params = jax.jit(model_params,
-                       out_shardings=state_shardings['params'])()
+                       out_shardings=state_shardings['params'])(seed)
       params['vision'] = jax.device_put(
           nnx.to_pure_dict(nnx.state(hf.load_siglip(vision_from),
                                      nnx.Param)),
@@ -373,8 +381,8 @@ def build(config: config_lib.Config, devices=None) -> Setup:
       # the same values on any mesh). Made eagerly, the whole float32 params
       # would sit on one device first, so FSDP could not start a model
       # larger than one GPU.
-      return jax.jit(lambda: new_state(model_params()),
-                     out_shardings=state_shardings)()
+      return jax.jit(lambda seed: new_state(model_params(seed)),
+                     out_shardings=state_shardings)(seed)
     params = hf.load_hf_params(config.model.init_from,
                                abstract_state['params'],
                                state_shardings['params'],
