@@ -112,21 +112,66 @@ def compile_train_step(setup: Any, compiler_options: dict | None = None):
         compiler_options)
 
 
+def state_bytes(setup: Any) -> tuple[int, int, int]:
+  """(params, optimizer state, gradients): bytes per device of `setup`'s
+  train state and of the gradients its step holds at once (all params'; with
+  optim.apply_in_backward, those outside the decoder layers), read from
+  the abstract state: nothing is compiled."""
+  abstract, shardings = setup.abstract_state, setup.state_shardings
+  params = _per_device_bytes(abstract['params'], shardings['params'])
+  opt = _per_device_bytes(abstract['opt_state'], shardings['opt_state'])
+  grads = params
+  if setup.config.optim.apply_in_backward:
+    grads = params - _layer_bytes(setup)
+  return params, opt, grads
+
+
+def _layer_bytes(setup: Any) -> int:
+  """Bytes per device of the decoder layers' params."""
+  layers = setup.task.layers_of
+  return _per_device_bytes(layers(setup.abstract_state['params']),
+                           layers(setup.state_shardings['params']))
+
+
+def check_state_fits(setup: Any, limit: int | None = None) -> None:
+  """Before anything compiles: raises ValueError, naming the settings that
+  would make room, if the params, optimizer state and gradients alone
+  exceed `limit` (bytes per device; None reads the device's, and a device
+  that reports none, as a CPU, is not checked). Activations come on top."""
+  limit = device_limit() if limit is None else limit
+  params, opt, grads = state_bytes(setup)
+  need = params + opt + grads
+  if limit is None or need <= limit:
+    return
+  config = setup.config
+  gib = lambda n: f'{n / GIB:.2f} GiB'
+  options = []
+  if not config_lib.can_fuse(config.optim):
+    options.append('FP8 moments (optim.name=coat_adamw with FP8'
+                   ' optim.moment_dtypes: 2.125 bytes a param, not 8)')
+  if not config.optim.apply_in_backward and setup.mesh.size == 1:
+    options.append('optim.apply_in_backward=true (each decoder layer steps'
+                   ' inside backward, so its gradients are never all live:'
+                   f' {gib(_layer_bytes(setup))} less; it needs FP8 moments'
+                   ' and unrolled layers, docs/in_backward.md)')
+  options.append('mesh.fsdp=N over N devices (params, optimizer state and'
+                 ' gradients shard N ways)')
+  options.append('a smaller model (model.num_layers, model.hidden_size)')
+  raise ValueError(
+      f'this run\'s state alone needs {gib(need)} per device (params'
+      f' {gib(params)}, optimizer state {gib(opt)}, gradients {gib(grads)}),'
+      f' before any activation, and the device allows {gib(limit)}. To make'
+      ' room: ' + '; '.join(options) + '.')
+
+
 def breakdown(setup: Any, compiled,
               limit: int | None = None) -> MemoryBreakdown:
   """The MemoryBreakdown of `compiled` (from `compile_train_step(setup)`).
 
   limit: bytes the device allows; None reads the device's `bytes_limit`.
   """
-  abstract, shardings = setup.abstract_state, setup.state_shardings
   device = setup.mesh.devices.flat[0]
-  params = _per_device_bytes(abstract['params'], shardings['params'])
-  opt = _per_device_bytes(abstract['opt_state'], shardings['opt_state'])
-  grads = params
-  if setup.config.optim.apply_in_backward:
-    without = lambda tree: setup.task.with_layers(tree, None)
-    grads = _per_device_bytes(without(abstract['params']),
-                              without(shardings['params']))
+  params, opt, grads = state_bytes(setup)
   stats = compiled.memory_analysis()
   temp = stats.temp_size_in_bytes
   # XLA allocates the temporaries as one block next to the (donated, so

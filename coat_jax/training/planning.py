@@ -19,8 +19,11 @@ import pallas_kernels
 
 def estimate(config: config_lib.Config, devices=None,
              limit: int | None = None) -> memory.MemoryBreakdown:
-  """Compiles `config`'s train step ahead of time; its MemoryBreakdown."""
+  """Compiles `config`'s train step ahead of time; its MemoryBreakdown.
+  Raises ValueError before compiling where the train state alone cannot
+  fit in `limit` (`memory.check_state_fits`)."""
   setup = trainer.build(config, devices)
+  memory.check_state_fits(setup, limit)
   with pallas_kernels.ask_ptxas_once():  # see `trainer.train`
     return memory.breakdown(setup, memory.compile_train_step(setup), limit)
 

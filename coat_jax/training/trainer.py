@@ -528,6 +528,7 @@ def _train(config: config_lib.Config, devices) -> dict:
     # Compiled ahead of time (the jitted step reuses this compilation): the
     # memory it needs is known before any allocation, and a run that cannot
     # fit stops here with its options.
+    memory.check_state_fits(setup)
     start = time.perf_counter()
     compiled = memory.compile_train_step(setup)
     compile_s = time.perf_counter() - start

@@ -57,13 +57,63 @@ def test_estimate_divides_the_step(tiny_config):
 
 def test_a_run_that_does_not_fit_is_refused_before_training(
     tiny_config, monkeypatch):
-  monkeypatch.setattr(memory, 'device_limit', lambda: 1 << 20)
+  """The state fits and the compiled step does not: refused after the
+  compile, naming the batch and remat."""
   config = tiny_config()
+  state = sum(memory.state_bytes(trainer.build(config, ONE)))
+  monkeypatch.setattr(memory, 'device_limit', lambda: state + 1)
   with pytest.raises(ValueError, match=r'train\.batch_size=8, model\.remat='
                      r"'auto'.*smaller train\.batch_size.*model\.remat"
                      r'.*mesh\.fsdp'):
     training.train(config, devices=ONE)
   assert not os.path.exists(config.train.run_dir)  # nothing was started
+
+
+def test_a_state_that_cannot_fit_is_refused_before_compiling(
+    tiny_config, monkeypatch):
+  """Params, optimizer state and gradients alone over the limit: refused
+  before the step compiles, with their sizes and the settings that make
+  room; apply_in_backward counts only the gradients outside the layers."""
+  def no_compile(*args, **kwargs):
+    raise AssertionError('compiled a step that cannot fit')
+
+  monkeypatch.setattr(memory, 'compile_train_step', no_compile)
+  config = tiny_config()
+  setup = trainer.build(config, ONE)
+  params, opt, grads = memory.state_bytes(setup)
+  assert params == grads == _param_bytes(config)
+  assert params / 4 * 2 <= opt < params  # FP8 moments and their scales
+  layers = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(
+      setup.task.layers_of(setup.abstract_state['params'])))
+  assert 0 < layers < params
+  limit = params + opt + grads - 1
+  monkeypatch.setattr(memory, 'device_limit', lambda: limit)
+  gib = lambda n: f'{n / memory.GIB:.2f} GiB'
+  with pytest.raises(ValueError) as e:
+    training.train(config, devices=ONE)
+  message = str(e.value)
+  assert f'needs {gib(params + opt + grads)} per device' in message
+  assert f'gradients {gib(grads)}' in message
+  assert f'allows {gib(limit)}' in message
+  assert 'optim.apply_in_backward=true' in message
+  assert f'{gib(layers)} less' in message and 'mesh.fsdp=N' in message
+  assert 'FP8 moments (' not in message  # coat_adamw has them already
+  assert not os.path.exists(config.train.run_dir)
+  # float32 moments: FP8 ones are named; --estimate refuses alike.
+  adamw = tiny_config(optim={'name': 'adamw'})
+  with pytest.raises(ValueError, match=r'state alone.*FP8 moments \(optim'):
+    planning.estimate(adamw, ONE, limit=limit)
+  # In backward, only the gradients outside the layers are held: it fits.
+  in_bwd = trainer.build(tiny_config(optim={'apply_in_backward': True}), ONE)
+  params_b, opt_b, grads_b = memory.state_bytes(in_bwd)
+  assert (params_b, grads_b) == (params, params - layers)
+  assert 0 <= opt_b - opt <= 4  # the previous step's norm, for the clip
+  memory.check_state_fits(in_bwd, limit)  # fits where the ordinary does not
+  with pytest.raises(ValueError, match='state alone') as e:
+    memory.check_state_fits(in_bwd, params + opt_b)
+  assert 'apply_in_backward' not in str(e.value)  # already on
+  monkeypatch.setattr(memory, 'device_limit', lambda: None)  # as a CPU
+  memory.check_state_fits(setup)  # no limit known: not checked
 
 
 def test_find_max_batch_searches_multiples_of_the_unit(monkeypatch):
@@ -113,7 +163,8 @@ def test_estimate_from_the_command_line(run_main):
   code, out, err = run_main(['--estimate', '--memory-limit-gib', '0.001']
                             + base)
   assert code == 2
-  assert 'train.batch_size=16' in err and "model.remat='full'" in err
+  assert "this run's state alone needs" in err and 'mesh.fsdp' in err
+  assert 'optimizer state' not in out  # nothing compiled
 
 
 def test_find_max_batch_from_the_command_line(run_main):
