@@ -15,6 +15,9 @@ recorded as 'does not fit' while the sweep goes on. Modes:
   converted   the same plain model as a user converts it: its SwiGLU line
               switched to coat_jax.nn.swiglu, coat_jax.convert(model,
               COAT), coat_adamw (plain_llama.build(recipe=...))
+  converted_fused
+              converted, with coat_jax.FusedCoatAdamW as its optimizer
+              (plain_llama.build(recipe=..., fused=True))
   bf16, fp8_linear, coat
               train.py's jitted step (`coat_jax.training.build`) with the
               overrides of MODE_OVERRIDES (bf16 and fp8_linear with
@@ -79,7 +82,7 @@ MODE_OVERRIDES = {
     'coat': ('model.recipe=coat', 'optim.name=coat_adamw'),
 }
 # Modes of benchmarks/plain_llama.py's model (not train.py's step).
-PLAIN_MODES = ('plain', 'converted')
+PLAIN_MODES = ('plain', 'converted', 'converted_fused')
 MODES = (*PLAIN_MODES, *MODE_OVERRIDES)
 RESULT = 'E2E_RESULT '
 OOM = re.compile(r'RESOURCE_EXHAUSTED|out of memory|OutOfMemory|'
@@ -210,7 +213,8 @@ def run_point(p: dict) -> dict:
     flops = model_flops(cfg, p['batch'], p['seq'])
   if p['mode'] in PLAIN_MODES:
     init_state, step = plain_llama.build(
-        cfg, recipe='coat' if p['mode'] == 'converted' else None)
+        cfg, recipe=None if p['mode'] == 'plain' else 'coat',
+        fused=p['mode'] == 'converted_fused')
     batch = [jax.device_put(x) for x in (tokens[:, :-1], tokens[:, 1:])]
     context = contextlib.nullcontext()
   else:

@@ -18,7 +18,10 @@ adds the per-head RMSNorm of the queries and keys.
 `build(cfg, recipe=...)` is e2e.py's mode 'converted': what a user of
 coat_jax does to this model, the one line of its MLP switched to the
 FP8-saving `coat_jax.nn.swiglu`, `coat_jax.convert(model, recipe)`, and
-`coat_jax.coat_adamw` in the optimizer.
+`coat_jax.coat_adamw` in the optimizer. `build(cfg, recipe=...,
+fused=True)` is mode 'converted_fused': the same with the optimizer a
+`coat_jax.FusedCoatAdamW` (nnx.Optimizer's state, updated in one fused pass
+in place) in an `nnx.split` / `nnx.merge` step.
 """
 
 from typing import Any
@@ -176,14 +179,18 @@ def make_model(cfg: DecoderConfig, seed: int = 0,
 
 
 def build(cfg: DecoderConfig, seed: int = 0, learning_rate: float = 3e-4,
-          recipe: Any = None) -> tuple[Any, Any]:
+          recipe: Any = None, fused: bool = False) -> tuple[Any, Any]:
   """(init_state, train_step) for the plain BF16 Llama, or with a recipe
-  for it converted (`make_model`) and trained with coat_adamw.
+  for it converted (`make_model`) and trained with coat_adamw (fused: by
+  `coat_jax.FusedCoatAdamW`).
 
-  init_state() -> {'params': pure dict of float32 arrays, 'opt_state'};
-  train_step(state, inputs, targets) -> (state, {'loss'}) is jitted with
-  the state donated. inputs and targets: int32 (B, S).
+  init_state() -> {'params': pure dict of float32 arrays, 'opt_state'}
+  (fused: the nnx.State of (model, optimizer)); train_step(state, inputs,
+  targets) -> (state, {'loss'}) is jitted with the state donated. inputs
+  and targets: int32 (B, S).
   """
+  if fused:
+    return _build_fused(cfg, seed, learning_rate, recipe)
   graphdef, _ = nnx.split(nnx.eval_shape(
       lambda: make_model(cfg, seed, recipe)))
   tx = make_optimizer(learning_rate, coat=recipe is not None)
@@ -201,5 +208,32 @@ def build(cfg: DecoderConfig, seed: int = 0, learning_rate: float = 3e-4,
                                    state['params'])
     params = optax.apply_updates(state['params'], updates)
     return {'params': params, 'opt_state': opt_state}, {'loss': loss}
+
+  return init_state, jax.jit(train_step, donate_argnums=0)
+
+
+def _build_fused(cfg, seed, learning_rate, recipe):
+  """`build(..., fused=True)`: the converted model and its FusedCoatAdamW
+  (make_optimizer's clipping and AdamW settings), split into one state."""
+  if recipe is None:
+    raise ValueError('fused=True needs a recipe: FusedCoatAdamW keeps FP8'
+                     ' moments, a converted model\'s optimizer.')
+
+  def model_and_optimizer():
+    model = make_model(cfg, seed, recipe)
+    return model, coat_jax.FusedCoatAdamW(
+        model, learning_rate, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p), clip_norm=1.0)
+
+  graphdef, _ = nnx.split(nnx.eval_shape(model_and_optimizer))
+
+  def init_state():
+    return nnx.state(model_and_optimizer())
+
+  def train_step(state, inputs, targets):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), {'loss': loss}
 
   return init_state, jax.jit(train_step, donate_argnums=0)

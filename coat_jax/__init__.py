@@ -9,6 +9,7 @@ from coat_jax import quant
 from coat_jax import recipes
 from coat_jax.conversion import ConversionReport
 from coat_jax.conversion import convert
+from coat_jax.optim import FusedCoatAdamW
 from coat_jax.optim import ScaleByCoatAdamState
 from coat_jax.optim import coat_adamw
 from coat_jax.optim import fp8_states
@@ -33,7 +34,8 @@ def __getattr__(name: str):
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 __all__ = [
-    'ConversionReport', 'QuantizedArray', 'Recipe', 'ScaleByCoatAdamState',
+    'ConversionReport', 'FusedCoatAdamW', 'QuantizedArray', 'Recipe',
+    'ScaleByCoatAdamState',
     'checkpoint', 'coat_adamw', 'convert', 'dequantize', 'fp8_states',
     'models', 'nn', 'optim', 'quant', 'quantize_per_group',
     'quantize_per_tensor', 'recipes', 'scale_by_coat_adam', 'training',

@@ -23,6 +23,13 @@ from pallas_kernels import _common
 from pallas_kernels.coat_adam_step import api as fused_step
 
 
+def clip_scale(norm: jax.Array, max_norm: float) -> jax.Array:
+  """min(1, max_norm / norm) as a float32 scalar: global-norm clipping as
+  the `grad_scale` of `fused_coat_adamw`'s step (1 where norm is below
+  max_norm, norm 0 included), as `optax.clip_by_global_norm` scales."""
+  return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(jnp.float32)
+
+
 def fused_coat_adamw(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,

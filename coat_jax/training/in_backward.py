@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import optax
 
 from coat_jax.optim import fused
+from coat_jax.optim.fused import clip_scale
 from coat_jax.optim import moments
 from coat_jax.optim.coat_adam import ScaleByCoatAdamState
 from pallas_kernels.coat_adam_step import api as fused_step
@@ -65,12 +66,6 @@ class PreviousNormState(NamedTuple):
   gradient norm of the last step whose norm was finite (0 before any)."""
 
   norm: jax.Array
-
-
-def clip_scale(norm: jax.Array, max_norm: float) -> jax.Array:
-  """min(1, max_norm / norm) as the fused step's float32 gradient scale (1
-  where norm is below max_norm, norm 0 included)."""
-  return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(jnp.float32)
 
 
 def clip_by_previous_norm(max_norm: float) -> optax.GradientTransformation:

@@ -88,8 +88,7 @@ def _fused_update(config: config_lib.Config, specs: Any = None):
 
   def update(grads, grad_norm, opt_state, params, apply_if):
     clip_state, adamw_state = opt_state  # optax's clip keeps no state
-    scale = jnp.where(grad_norm < o.clip_norm, 1.0,
-                      o.clip_norm / grad_norm).astype(jnp.float32)
+    scale = optim.clip_scale(grad_norm, o.clip_norm)
     params, adamw_state = apply(grads, adamw_state, params, apply_if, scale,
                                 specs)
     return params, (clip_state, adamw_state)
