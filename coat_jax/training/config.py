@@ -208,6 +208,10 @@ class TrainConfig:
   # least recently used entries are deleted (0: no bound).
   compilation_cache_dir: str = '~/.cache/coat_jax/compilation'
   compilation_cache_max_gib: float = 10.0
+  # 'optimizer': the optimizer state lives in pinned host memory and comes
+  # to the device only for the optimizer's step, after backward
+  # (docs/design.md#offload); 'none' keeps it on the device.
+  offload: str = 'none'
 
 
 @dataclasses.dataclass
@@ -424,6 +428,10 @@ RANGES = {
 }
 
 
+# Where train.offload may keep state in host memory.
+OFFLOADS = ('none', 'optimizer')
+
+
 def validate(config: Config, num_devices: int) -> None:
   """Checks values and their combinations; raises ValueError naming the field.
 
@@ -464,6 +472,13 @@ def validate(config: Config, num_devices: int) -> None:
   _one_of('train.on_nonfinite', t.on_nonfinite, ('skip', 'stop'))
   _one_of('train.on_damaged_checkpoint', t.on_damaged_checkpoint,
           ('fallback', 'stop'))
+  _one_of('train.offload', t.offload, OFFLOADS)
+  if t.offload != 'none' and o.apply_in_backward:
+    raise ValueError(
+        f'train.offload={t.offload!r} cannot run with'
+        ' optim.apply_in_backward=true: that step carries the layers\''
+        ' moments through backward, so they would be on the device all'
+        " along. Set train.offload='none' or optim.apply_in_backward=false.")
   for name, allowed in RANGES.items():
     section, field = name.split('.')
     value = getattr(getattr(config, section), field)

@@ -33,7 +33,10 @@ class MemoryBreakdown:
   activations: the rest of the temporaries (saved activations, backward's
   working set, XLA's scratch). total: XLA's peak for the step.
   limit: what XLA may allocate on the device (None where unknown, as on
-  CPU without --memory-limit-gib). layers: how the decoder layers run
+  CPU without --memory-limit-gib). host: train state kept in pinned host
+  memory (train.offload), counted in none of the above, which are device
+  bytes (the optimizer state's copy on the device during its step is in
+  activations). layers: how the decoder layers run
   (e.g. "unrolled, remat 'none'"; 'auto' resolved), printed with the
   activations; '' where unknown. platform, device: the jax platform
   ('cpu', 'gpu', 'tpu') and the device kind (e.g. 'NVIDIA H200') the step
@@ -50,6 +53,7 @@ class MemoryBreakdown:
   layers: str = ''
   platform: str = ''
   device: str = ''
+  host: int = 0
 
   @property
   def fits(self) -> bool:
@@ -76,6 +80,9 @@ class MemoryBreakdown:
              else f'of {format_size(self.limit).strip()} the device allows'
              f' ({self.total / self.limit:.0%})')
     lines.append(f'  {"total":<28} {format_size(self.total)} {limit}')
+    if self.host:
+      lines.append(f'  {"in pinned host memory":<28}'
+                   f' {format_size(self.host)}  (train.offload)')
     return '\n'.join(lines)
 
 
@@ -91,8 +98,14 @@ def device_limit() -> int | None:
   return stats.get('bytes_limit')
 
 
-def _per_device_bytes(abstract, shardings) -> int:
+def _per_device_bytes(abstract, shardings, memory_kind: str = 'device'
+                      ) -> int:
+  """Bytes per device of the leaves placed in `memory_kind` ('device'
+  counts those without a memory kind too)."""
   def leaf_bytes(x, s):
+    kind = s.memory_kind or 'device'
+    if kind != memory_kind:
+      return 0
     return math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
   return sum(jax.tree.leaves(jax.tree.map(leaf_bytes, abstract, shardings)))
 
@@ -114,9 +127,10 @@ def compile_train_step(setup: Any, compiler_options: dict | None = None):
 
 def state_bytes(setup: Any) -> tuple[int, int, int]:
   """(params, optimizer state, gradients): bytes per device of `setup`'s
-  train state and of the gradients its step holds at once (all params'; with
-  optim.apply_in_backward, those outside the decoder layers), read from
-  the abstract state: nothing is compiled."""
+  train state in device memory (train.offload's host-resident state is
+  not counted: `host_bytes`) and of the gradients its step holds at once
+  (all params'; with optim.apply_in_backward, those outside the decoder
+  layers), read from the abstract state: nothing is compiled."""
   abstract, shardings = setup.abstract_state, setup.state_shardings
   params = _per_device_bytes(abstract['params'], shardings['params'])
   opt = _per_device_bytes(abstract['opt_state'], shardings['opt_state'])
@@ -124,6 +138,13 @@ def state_bytes(setup: Any) -> tuple[int, int, int]:
   if setup.config.optim.apply_in_backward:
     grads = params - _layer_bytes(setup)
   return params, opt, grads
+
+
+def host_bytes(setup: Any) -> int:
+  """Bytes per device of the train state kept in pinned host memory
+  (train.offload)."""
+  return _per_device_bytes(setup.abstract_state, setup.state_shardings,
+                           'pinned_host')
 
 
 def _layer_bytes(setup: Any) -> int:
@@ -154,6 +175,10 @@ def check_state_fits(setup: Any, limit: int | None = None) -> None:
                    ' inside backward, so its gradients are never all live:'
                    f' {gib(_layer_bytes(setup))} less; it needs FP8 moments'
                    ' and unrolled layers, docs/in_backward.md)')
+  if opt and not config.optim.apply_in_backward:
+    options.append("train.offload='optimizer' (the optimizer state in"
+                   ' pinned host memory, on the device only for its step:'
+                   ' up to ' + gib(opt) + ' less)')
   options.append('mesh.fsdp=N over N devices (params, optimizer state and'
                  ' gradients shard N ways)')
   options.append('a smaller model (model.num_layers, model.hidden_size)')
@@ -180,6 +205,7 @@ def breakdown(setup: Any, compiled,
               - stats.alias_size_in_bytes + temp,
               getattr(stats, 'peak_memory_in_bytes', 0))
   return MemoryBreakdown(
+      host=host_bytes(setup),
       params=params, optimizer_state=opt, gradients=min(grads, temp),
       activations=max(temp - grads, 0), total=total,
       limit=device_limit() if limit is None else limit,

@@ -203,7 +203,16 @@ def _state_shardings(config, mesh, abstract_model, abstract_state):
                                              p_specs),
            'step': jax.sharding.PartitionSpec(),
            'nonfinite': jax.sharding.PartitionSpec()}
-  return sharding.named(mesh, specs, abstract_state)
+  shardings = sharding.named(mesh, specs, abstract_state)
+  if config.train.offload == 'optimizer':
+    shardings['opt_state'] = jax.tree.map(
+        lambda s: s.with_memory_kind('pinned_host'), shardings['opt_state'])
+  return shardings
+
+
+def _on_device(shardings: Any) -> Any:
+  """`shardings` with every memory kind the device's."""
+  return jax.tree.map(lambda s: s.with_memory_kind('device'), shardings)
 
 
 def _loss_and_grads(task: tasks.Task, graphdef, per_layer: bool):
@@ -265,24 +274,34 @@ def _accumulated(loss_and_grads, n: int, micro_sharding):
   return mean_over_microbatches
 
 
-def _train_step(loss_and_grads, tx, fused_update):
+def _train_step(loss_and_grads, tx, fused_update, opt_shardings=None):
   """(state, *batch) -> (state, metrics): one optimizer step; a step whose
   loss or gradient norm is not finite changes nothing but the step and the
-  fault count."""
+  fault count. opt_shardings (train.offload='optimizer'): the optimizer
+  state's host shardings; it comes to the device after backward, for the
+  optimizer's step only, and goes back."""
   def train_step(state, *batch):
     params = state['params']
     loss, grads = loss_and_grads(params, *batch)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    old_opt_state = state['opt_state']
+    if opt_shardings is not None:
+      # Its users wait for every gradient: the step reads the state after
+      # backward (where XLA starts the transfer is XLA's schedule).
+      grads, old_opt_state = jax.lax.optimization_barrier(
+          (grads, jax.device_put(old_opt_state, _on_device(opt_shardings))))
     if fused_update is None:
-      updates, opt_state = tx.update(grads, state['opt_state'], params)
+      updates, opt_state = tx.update(grads, old_opt_state, params)
       new_params, opt_state = jax.tree.map(
           lambda a, b: jnp.where(finite, a, b),
           (optax.apply_updates(params, updates), opt_state),
-          (params, state['opt_state']))
+          (params, old_opt_state))
     else:  # Skipped inside, so that the kernel updates in place.
       new_params, opt_state = fused_update(
-          grads, grad_norm, state['opt_state'], params, finite)
+          grads, grad_norm, old_opt_state, params, finite)
+    if opt_shardings is not None:
+      opt_state = jax.device_put(opt_state, opt_shardings)
     new_state = {
         'params': new_params,
         'opt_state': opt_state,
@@ -318,7 +337,9 @@ def _step_function(config: config_lib.Config, task: tasks.Task, graphdef,
       _loss_and_grads(task, graphdef,
                       per_layer=uses_fused and not task.decoder.scan_layers),
       config.train.microbatches, micro_sharding)
-  return _train_step(loss_and_grads, tx, fused_update)
+  offloaded = config.train.offload == 'optimizer'
+  return _train_step(loss_and_grads, tx, fused_update,
+                     state_shardings['opt_state'] if offloaded else None)
 
 
 def build(config: config_lib.Config, devices=None) -> Setup:
