@@ -36,6 +36,10 @@ class LlamaConfig(decoder.DecoderConfig):
       'llama2_13b': dict(vocab_size=32000, hidden_size=5120,
                          intermediate_size=13824, num_layers=40,
                          num_heads=40, num_kv_heads=40, max_seq_len=4096),
+      # LLaMA-1 33B (the "30B" of the LLaMA paper): 32.5B params.
+      'llama_33b': dict(vocab_size=32000, hidden_size=6656,
+                        intermediate_size=17920, num_layers=60, num_heads=52,
+                        num_kv_heads=52, max_seq_len=2048),
       'llama3_8b': dict(vocab_size=128256, hidden_size=4096,
                         intermediate_size=14336, num_layers=32, num_heads=32,
                         num_kv_heads=8, max_seq_len=8192,

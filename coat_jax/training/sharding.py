@@ -3,7 +3,8 @@
 Params carry logical axis names (`coat_jax.nn.partitioning`). A rule maps
 each name to mesh axes; a mesh axis is dropped from a dimension it does not
 divide, and from a parameter's last axis unless every shard then holds whole
-quantization groups. The optimizer state of a parameter (FP8 values, scales,
+quantization groups, and then goes to the largest other dimension that
+takes it (not a stack's layer axis). The optimizer state of a parameter (FP8 values, scales,
 exponents, or float32 moments) gets that parameter's spec, so a shard of a
 moment always sits with the shard of its parameter.
 """
@@ -52,6 +53,17 @@ def logical_to_spec(
   table = dict(rules)
   spec = []
   used = set()
+  dropped = []  # mesh axes a dimension could not take
+
+  def why_not(dim, size, shards):
+    if size % shards:
+      return f'{size} is not divisible by {shards}'
+    if (group_size and dim == len(shape) - 1
+        and (size // shards) % group_size):
+      return (f'a shard of {size // shards} would split the quantization'
+              f' groups of {group_size}')
+    return None
+
   for dim, (name, size) in enumerate(zip(names, shape)):
     axes = table.get(name)
     if axes is None:
@@ -59,23 +71,39 @@ def logical_to_spec(
       continue
     axes = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,))
                  if mesh.shape[a] > 1 and a not in used)
-    shards = _axis_size(mesh, axes) if axes else 1
-    why = None
-    if size % shards:
-      why = f'{size} is not divisible by {shards}'
-    elif (group_size and dim == len(shape) - 1
-          and (size // shards) % group_size):
-      why = (f'a shard of {size // shards} would split the quantization'
-             f' groups of {group_size}')
+    why = why_not(dim, size, _axis_size(mesh, axes)) if axes else None
     if why or not axes:
       if why:
         logging.info('not sharding %s axis %d over %s: %s', what, dim, axes,
                      why)
+        dropped.append(axes)
       spec.append(None)
       continue
     used.update(axes)
     spec.append(axes[0] if len(axes) == 1 else axes)
+  # A mesh axis a dimension could not take goes to the largest other
+  # unsharded dimension that takes it (never a stack's layer axis, which
+  # the layer scan and the per-layer optimizer steps slice): a hidden size
+  # whose shards would split the groups (6656 over 8: 6.5 groups of 128)
+  # still shards its (heads, embed) and (mlp, embed) weights.
+  for axes in dropped:
+    axes = tuple(a for a in axes if a not in used)
+    if not axes:
+      continue
+    shards = _axis_size(mesh, axes)
+    free = [d for d in range(len(shape)) if spec[d] is None
+            and names[d] not in _UNSHARDABLE
+            and why_not(d, shape[d], shards) is None]
+    if free:
+      dim = max(free, key=lambda d: shape[d])
+      logging.info('sharding %s axis %d over %s instead', what, dim, axes)
+      used.update(axes)
+      spec[dim] = axes[0] if len(axes) == 1 else axes
   return P(*spec)
+
+
+# Logical axes that never take a mesh axis given up by another dimension.
+_UNSHARDABLE = ('layers', 'norm')
 
 
 def param_specs(abstract_params: Any, names: Any, mesh: Mesh,
