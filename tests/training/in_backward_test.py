@@ -3,7 +3,6 @@ and a VLM), clipping by the previous norm, non-finite gradients, what the
 compiled step keeps, and train.py with optim.apply_in_backward=true."""
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -18,11 +17,11 @@ import pytest
 from coat_jax import optim
 from coat_jax import training
 from coat_jax.models import lm_loss
-from coat_jax.training import checkpoints
 from coat_jax.training import in_backward
 from coat_jax.training import memory
 from coat_jax.training import tasks
 from coat_jax.training import trainer
+from tests.training import run_files
 
 ONE = jax.devices()[:1]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -270,19 +269,6 @@ def test_the_compiled_step_keeps_no_stacked_gradients(tiny_config):
   assert mem.params == nbytes(params)
 
 
-def _logged(run_dir, key):
-  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
-    return [r[key] for r in map(json.loads, f) if key in r]
-
-
-def _saved_state(config, step):
-  """The state a run of `config` saved at `step`."""
-  setup = trainer.build(config, ONE)
-  checkpointer = checkpoints.Checkpointer(config.train.run_dir, config)
-  try:
-    return trainer.restore_state(setup, checkpointer, step)
-  finally:
-    checkpointer.close()
 
 
 def test_a_run_trains_and_resumes_bit_exactly(tiny_config, tmp_path,
@@ -296,7 +282,7 @@ def test_a_run_trains_and_resumes_bit_exactly(tiny_config, tmp_path,
 
   whole = config('whole')
   summary = training.train(whole, devices=ONE)
-  norms = _logged(whole.train.run_dir, 'grad_norm')
+  norms = run_files.logged(whole.train.run_dir, 'grad_norm')
   assert len(norms) == 5 and max(norms[:3]) > whole.optim.clip_norm
   assert summary['memory']['gradients'] < summary['memory']['params']
 
@@ -306,13 +292,14 @@ def test_a_run_trains_and_resumes_bit_exactly(tiny_config, tmp_path,
   assert training.train(part, devices=ONE)['step'] == 3
   monkeypatch.setattr(trainer, 'build', build)
   np.testing.assert_array_equal(
-      _saved_state(part, 3)['opt_state'][0].norm, np.float32(norms[2]))
+      run_files.saved_state(part, 3)['opt_state'][0].norm,
+      np.float32(norms[2]))
   summary = training.train(part, devices=ONE)
   assert summary['resumed_from'] == 3 and summary['step'] == 5
-  assert _logged(part.train.run_dir, 'loss') == _logged(
-      whole.train.run_dir, 'loss')
-  jax.tree.map(np.testing.assert_array_equal, _saved_state(part, 5),
-               _saved_state(whole, 5))
+  loss = lambda run: run_files.logged(run.train.run_dir, 'loss')
+  assert loss(part) == loss(whole)
+  jax.tree.map(np.testing.assert_array_equal, run_files.saved_state(part, 5),
+               run_files.saved_state(whole, 5))
 
 
 def test_the_command_line_turns_it_on(tmp_path, capsys):

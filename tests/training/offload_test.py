@@ -1,32 +1,17 @@
 """train.offload='optimizer': the optimizer state in pinned host memory."""
 
-import json
-import os
-
 import jax
 import numpy as np
 import pytest
 
 from coat_jax import training
-from coat_jax.training import checkpoints
 from coat_jax.training import memory
 from coat_jax.training import trainer
+from tests.training import run_files
 
 ONE = jax.devices()[:1]
 
 
-def _logged(run_dir, key):
-  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
-    return [r[key] for r in map(json.loads, f) if key in r]
-
-
-def _saved_state(config, step):
-  setup = trainer.build(config, ONE)
-  checkpointer = checkpoints.Checkpointer(config.train.run_dir, config)
-  try:
-    return trainer.restore_state(setup, checkpointer, step)
-  finally:
-    checkpointer.close()
 
 
 def _kinds(tree):
@@ -51,13 +36,13 @@ def test_offloaded_run_equals_the_device_one_and_resumes(
   whole = config('whole', 'optimizer')
   summary = training.train(whole, devices=ONE)
   assert summary['memory']['optimizer_state'] == 0  # none on the device
-  assert _logged(whole.train.run_dir, 'loss') == _logged(
-      device.train.run_dir, 'loss')
-  saved = _saved_state(whole, 5)
+  loss = lambda run: run_files.logged(run.train.run_dir, 'loss')
+  assert loss(whole) == loss(device)
+  saved = run_files.saved_state(whole, 5)
   assert _kinds(saved['opt_state']) == {'pinned_host'}
   assert _kinds(saved['params']) == {'device'}
   jax.tree.map(np.testing.assert_array_equal, saved,
-               _saved_state(device, 5))
+               run_files.saved_state(device, 5))
 
   setup = trainer.build(whole, ONE)
   state = setup.init_state()
@@ -75,9 +60,9 @@ def test_offloaded_run_equals_the_device_one_and_resumes(
   monkeypatch.setattr(trainer, 'build', build)
   summary = training.train(part, devices=ONE)
   assert summary['resumed_from'] == 3 and summary['step'] == 5
-  assert _logged(part.train.run_dir, 'loss') == _logged(
-      whole.train.run_dir, 'loss')
-  jax.tree.map(np.testing.assert_array_equal, _saved_state(part, 5), saved)
+  assert loss(part) == loss(whole)
+  jax.tree.map(np.testing.assert_array_equal,
+               run_files.saved_state(part, 5), saved)
 
 
 def test_the_plan_counts_host_memory_apart(tiny_config):
@@ -108,5 +93,5 @@ def test_offload_under_fsdp_on_8_devices(tiny_config, tmp_path):
                          train={'offload': offload,
                                 'run_dir': str(tmp_path / offload)})
     training.train(config)
-    losses[offload] = _logged(config.train.run_dir, 'loss')
+    losses[offload] = run_files.logged(config.train.run_dir, 'loss')
   assert len(losses['none']) == 3 and losses['optimizer'] == losses['none']
