@@ -381,9 +381,9 @@ def build(config: config_lib.Config, devices=None) -> Setup:
   def init_state():
     """A new run's state, placed: random params, or model.init_from's
     (model.vision_init_from's in a VLM's vision tower)."""
-    # The seed enters each jit as an argument: a constant key would let
-    # XLA fold the random params into constants at compile time, minutes
-    # for a model of many separately initialized weights (a ViT).
+    # The seed enters each jit as an argument: with a constant key XLA may
+    # fold the random params into constants while compiling, slow for a
+    # model of many separately initialized weights (a ViT).
     seed = jax.device_put(np.int32(config.train.seed),
                           jax.sharding.NamedSharding(
                               mesh, jax.sharding.PartitionSpec()))

@@ -212,9 +212,10 @@ def test_fp8_state_carries_the_param_sharding(tiny_config):
   assert tuple(kernel.sharding.spec) == (None, 'fsdp', None)
   assert q.scale.sharding.spec == kernel.sharding.spec
   # o_proj (layers, 64 heads, 64 embed): 'embed' -> fsdp on the last axis
-  # would leave 8 elements per shard, splitting the groups of 16: dropped.
+  # would leave 8 elements per shard, splitting the groups of 16, so fsdp
+  # shards the heads axis instead.
   o = params['layers']['attn']['o_proj']['kernel']
-  assert tuple(o.sharding.spec) == (None, None, None)
+  assert tuple(o.sharding.spec) == (None, 'fsdp', None)
   assert mu['layers']['attn']['o_proj']['kernel'].values.sharding.spec == (
       o.sharding.spec)
 
