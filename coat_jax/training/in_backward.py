@@ -51,7 +51,6 @@ import jax.numpy as jnp
 import optax
 
 from coat_jax.optim import fused
-from coat_jax.optim.fused import clip_scale
 from coat_jax.optim import moments
 from coat_jax.optim.coat_adam import ScaleByCoatAdamState
 from pallas_kernels.coat_adam_step import api as fused_step
@@ -87,7 +86,7 @@ def clip_by_previous_norm(max_norm: float) -> optax.GradientTransformation:
   def update(updates, state, params=None):
     del params
     norm = optax.tree.norm(updates)
-    scale = clip_scale(state.norm, max_norm)
+    scale = fused.clip_scale(state.norm, max_norm)
     updates = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
     return updates, PreviousNormState(
         jnp.where(jnp.isfinite(norm), norm, state.norm).astype(jnp.float32))
@@ -193,7 +192,7 @@ def make_train_step(
     lr = (learning_rate(lr_state.count) if callable(learning_rate)
           else learning_rate)
     grad_scale = (scalar(1.0) if clip == 'none'
-                  else clip_scale(clip_state.norm, clip_norm))
+                  else fused.clip_scale(clip_state.norm, clip_norm))
     scalars = (count, scalar(lr), grad_scale)
     hook = _layer_hook(functools.partial(layer_step,
                                          decay=layers_of(decay)))

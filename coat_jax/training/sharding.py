@@ -3,10 +3,11 @@
 Params carry logical axis names (`coat_jax.nn.partitioning`). A rule maps
 each name to mesh axes; a mesh axis is dropped from a dimension it does not
 divide, and from a parameter's last axis unless every shard then holds whole
-quantization groups, and then goes to the largest other dimension that
-takes it (not a stack's layer axis). The optimizer state of a parameter (FP8 values, scales,
-exponents, or float32 moments) gets that parameter's spec, so a shard of a
-moment always sits with the shard of its parameter.
+quantization groups, and then goes to the largest other named dimension
+that takes it (not a stack's unnamed layer axis). The optimizer state of a
+parameter (FP8 values, scales, exponents, or float32 moments) gets that
+parameter's spec, so a shard of a moment always sits with the shard of its
+parameter.
 """
 
 from collections.abc import Sequence
@@ -82,10 +83,10 @@ def logical_to_spec(
     used.update(axes)
     spec.append(axes[0] if len(axes) == 1 else axes)
   # A mesh axis a dimension could not take goes to the largest other
-  # unsharded dimension that takes it (never a stack's layer axis, which
-  # the layer scan and the per-layer optimizer steps slice): a hidden size
-  # whose shards would split the groups (6656 over 8: 6.5 groups of 128)
-  # still shards its (heads, embed) and (mlp, embed) weights.
+  # unsharded named dimension that takes it (never a stack's layer axis,
+  # which the layer scan and the per-layer optimizer steps slice): a hidden
+  # size whose shards would split the groups (6656 over 8: 6.5 groups of
+  # 128) still shards its (heads, embed) and (mlp, embed) weights.
   for axes in dropped:
     axes = tuple(a for a in axes if a not in used)
     if not axes:
@@ -102,8 +103,9 @@ def logical_to_spec(
   return P(*spec)
 
 
-# Logical axes that never take a mesh axis given up by another dimension.
-_UNSHARDABLE = ('layers', 'norm')
+# Logical axes that never take a mesh axis given up by another dimension:
+# a stack's layer axis (unnamed) and the norms' features (kept whole).
+_UNSHARDABLE = (None, 'norm')
 
 
 def param_specs(abstract_params: Any, names: Any, mesh: Mesh,

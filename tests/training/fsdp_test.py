@@ -494,3 +494,18 @@ def test_the_33b_config_shards_its_state_8_ways():
       assert list(s.spec).count('fsdp') == 1, (path, s.spec)
   total = sum(memory.state_bytes(setup)) / 2**30
   assert 37 < total < 39, total
+
+
+def test_a_dropped_axis_never_goes_to_the_layer_axis():
+  """The stack's layer axis (unnamed, here the largest) is passed over: the
+  fsdp axis the embed axis cannot take goes to the heads axis; a norm's
+  features and an axis nothing divides stay whole."""
+  mesh = sharding.make_mesh((1, 8, 1), jax.devices())
+  spec = lambda names, shape: sharding.logical_to_spec(
+      names, shape, mesh, group_size=16)
+  # 96 / 8 = 12 per shard splits the groups of 16.
+  assert spec((None, 'heads', 'embed'), (64, 24, 96)) == P(None, 'fsdp', None)
+  assert spec((None, 'norm', 'embed'), (64, 24, 96)) == P(None, None, None)
+  assert spec((None, 'heads', 'embed'), (64, 20, 96)) == P(None, None, None)
+  assert spec((None, 'heads', 'embed'), (64, 24, 128)) == P(None, None,
+                                                            'fsdp')
