@@ -114,7 +114,10 @@ def store_scale(
 ) -> jax.Array:
   """Rounds the scale to its storage dtype (E8M0: up to a power of two, so
   no code passes fp8_max; `E8M0_BITS`: the same, as bytes); 1 where it is
-  0, NaN if amax is not finite.
+  0, NaN if amax is not finite, and never subnormal: a subnormal scale
+  (amax below fp8_max * 2^-126) becomes 2^-126. The GPU kernels divide by
+  the scale with div.full.f32, which flushes a subnormal divisor to zero
+  and would turn the group into inf and NaN codes.
 
   Exact additions instead of `jnp.where(..., 1.0, ...)`, whose broadcast
   constants jax would hoist out of a scanned layer (see `_common.clamp`):
@@ -129,7 +132,13 @@ def store_scale(
             else e8m0_bits(scale))
   scale = scale.astype(scale_dtype)
   scale = scale + (scale == 0).astype(scale.dtype)
+  scale = jnp.maximum(scale, np.asarray(_smallest_normal(scale_dtype),
+                                        scale.dtype))
   return scale + (amax - amax).astype(scale.dtype)
+
+
+def _smallest_normal(dtype: Any) -> float:
+  return float(jnp.finfo(dtype).smallest_normal)
 
 
 def expansion_exponent(

@@ -428,3 +428,44 @@ def test_gpu_tensor_kernel_matches_xla(shape, dtype, transpose, given):
     (16384, (2048, 256, 256), jnp.bfloat16)])  # 1b's Q/K/V gradient
 def test_gpu_tensor_parts_match_the_concatenation(rows, widths, dtype):
   test_tensor_parts_match_the_concatenation(rows, widths, dtype)
+
+
+def _tiny_groups(seed=11):
+  """(64, 256) float32: groups of 128 whose max |x| lies between 2^-126 and
+  fp8_max * 2^-126, where amax / fp8_max is subnormal, beside zeros and a
+  normal group."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((64, 256)) * np.exp(
+      rng.uniform(-86, -81, (64, 1)))  # ~1e-37 .. 1e-35
+  x[:, ::5] = 0.0
+  x[0, 128:] = rng.standard_normal(128)
+  return jnp.asarray(x.astype(np.float32))
+
+
+@pytest.mark.parametrize('expansion', [False, True])
+def test_group_scales_are_never_subnormal(expansion):
+  """A group whose amax / fp8_max is subnormal gets the smallest normal
+  scale (or 1 where XLA flushes it to zero first): never a subnormal one,
+  which the GPU kernels' division would flush to zero (inf and NaN codes)."""
+  x = _tiny_groups()
+  q = group_ref.quantize_per_group(x, 128, 'e4m3', expansion)
+  scale = np.asarray(q[1], np.float32)
+  assert (scale >= np.finfo(np.float32).smallest_normal).all()
+  assert np.isfinite(np.asarray(q[0], np.float32)).all()
+  deq = group_ref.dequantize_per_group(*q, 128)
+  assert np.isfinite(np.asarray(deq)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('expansion', [False, True])
+def test_gpu_group_kernel_tiny_groups(expansion):
+  """On the GPU, where XLA keeps subnormals: the kernel's codes of groups
+  with amax in [2^-126, fp8_max * 2^-126) are finite and the reference's."""
+  test_group_scales_are_never_subnormal(expansion)
+  x = _tiny_groups()
+  ref = jax.jit(lambda x: group_ref.quantize_per_group(
+      x, 128, 'e4m3', expansion))(x)
+  out = group_api.quantize_per_group(x, 128, 'e4m3', expansion,
+                                     implementation='pallas')
+  assert np.isfinite(np.asarray(out[0], np.float32)).all()
+  _assert_same_quantized(out, ref)
