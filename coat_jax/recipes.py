@@ -61,6 +61,10 @@ class Recipe:
       paper). The params are the same either way.
     fp8_weight_gather: under an FSDP mesh, all-gather the FP8 codes of the
       weights (1 byte a param) instead of their float32 shards.
+    fp8_head: the built-in models' LM head and loss run their three GEMMs
+      in FP8 (`coat_jax.models.chunked_cross_entropy`'s fp8_grad_dtype:
+      E4M3 hidden states and head, `grad_dtype` d loss / d logits). Off in
+      every preset: the head's accuracy in FP8 is not established.
   """
 
   fp8_matmuls: bool = True
@@ -70,10 +74,11 @@ class Recipe:
   activation_group_size: int = 16
   fuse_qkv: bool = True
   fp8_weight_gather: bool = False
+  fp8_head: bool = False
 
   def __post_init__(self):
     for field in ('fp8_matmuls', 'fp8_activations', 'fuse_qkv',
-                  'fp8_weight_gather'):
+                  'fp8_weight_gather', 'fp8_head'):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f'Recipe.{field}={getattr(self, field)!r} must be'
                         ' True or False.')
@@ -91,9 +96,14 @@ class Recipe:
           ' [1, 128] (16 in COAT).')
 
   @property
+  def head_grad_dtype(self) -> str | None:
+    """The FP8 format of the LM head's logit gradients; None: a BF16 head."""
+    return self.grad_dtype if self.fp8_head else None
+
+  @property
   def uses_fp8(self) -> bool:
     """Whether any layer runs or saves anything in FP8."""
-    return self.fp8_matmuls or self.fp8_activations
+    return self.fp8_matmuls or self.fp8_activations or self.fp8_head
 
   def check_size(self, name: str, size: int, *,
                  part: str = 'matmul') -> None:
@@ -103,10 +113,12 @@ class Recipe:
     Args:
       name: the argument's name, for the message.
       size: a feature size (hidden, intermediate, projection width).
-      part: 'matmul' (a linear layer's size: checked with fp8_matmuls) or
-        'activation' (a norm's or activation's: with fp8_activations).
+      part: 'matmul' (a linear layer's size: checked with fp8_matmuls),
+        'activation' (a norm's or activation's: with fp8_activations) or
+        'head' (the LM head's: with fp8_head).
     """
-    on = self.fp8_matmuls if part == 'matmul' else self.fp8_activations
+    on = {'matmul': self.fp8_matmuls, 'activation': self.fp8_activations,
+          'head': self.fp8_head}[part]
     if not on or size % FP8_MULTIPLE == 0:
       return
     raise ValueError(

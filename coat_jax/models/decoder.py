@@ -511,6 +511,8 @@ class Decoder(nnx.Module):
     recipe = recipes.from_arguments(recipe, precision)
     recipe.check_size('config.hidden_size', config.hidden_size)
     recipe.check_size('config.intermediate_size', config.intermediate_size)
+    recipe.check_size('config.vocab_size', config.vocab_size, part='head')
+    recipe.check_size('config.hidden_size', config.hidden_size, part='head')
     recipe.check_size('config.num_kv_heads * head_dim',
                       config.num_kv_heads * config.head_features)
     recipe.check_size('config.num_heads * head_dim',
@@ -796,5 +798,5 @@ def lm_loss(model: Decoder, tokens: jax.Array, targets: jax.Array, *,
   hidden = model.hidden_states(tokens, layers)
   loss_sum, count = chunked_cross_entropy(
       hidden, model.head_kernel(), targets, chunk_size=chunk_size,
-      dtype=model.dtype)
+      dtype=model.dtype, fp8_grad_dtype=model.recipe.head_grad_dtype)
   return loss_sum / jnp.maximum(count, 1.0)

@@ -200,7 +200,8 @@ def vlm_loss(model: VLM, images: jax.Array, tokens: jax.Array,
   hidden = model.hidden_states(images, tokens, layers)
   loss_sum, count = chunked_cross_entropy(
       hidden, model.decoder.head_kernel(), jnp.where(loss_mask, targets, -1),
-      chunk_size=chunk_size, dtype=model.decoder.dtype)
+      chunk_size=chunk_size, dtype=model.decoder.dtype,
+      fp8_grad_dtype=model.decoder.recipe.head_grad_dtype)
   return loss_sum / jnp.maximum(count, 1.0)
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 from flax import nnx
 import jax
@@ -68,6 +69,28 @@ def test_block_scaling_reaches_the_model_and_trains(tiny_config,
                                     ['model.recipe.scaling=block'])
   summary, losses = _train(config, jax.devices()[:1])
   assert seen and set(seen) == {recipes.COAT_BLOCK}
+  assert len(losses) == 3 and all(np.isfinite(losses))
+  assert losses[-1] < losses[0] and summary['nonfinite_steps'] == 0
+
+
+def test_fp8_head_trains_from_the_command_line_override(tiny_config):
+  """`model.recipe.fp8_head=true` reaches the loss: its three GEMMs go
+  through `fp8_matmul`, and three steps lower the loss."""
+  from coat_jax.models import loss as loss_lib  # noqa: PLC0415
+  calls = []
+  real = loss_lib.fp8_matmul
+
+  def spy(*args, **kwargs):
+    calls.append(args[0].dtype)
+    return real(*args, **kwargs)
+
+  config = training.apply_overrides(tiny_config(),
+                                    ['model.recipe.fp8_head=true'])
+  assert config.model.recipe == dataclasses.replace(recipes.COAT,
+                                                    fp8_head=True)
+  with mock.patch.object(loss_lib, 'fp8_matmul', spy):
+    summary, losses = _train(config, jax.devices()[:1])
+  assert calls
   assert len(losses) == 3 and all(np.isfinite(losses))
   assert losses[-1] < losses[0] and summary['nonfinite_steps'] == 0
 
