@@ -6,11 +6,6 @@ decoder layer takes its optimizer step inside backward
 gradients (52 GB) are never all live, and the clip uses the previous step's
 global norm. `python train.py --config configs/llama2_13b_1gpu.py
 --estimate` prints the plan before a run.
-
-Known problem: on one H200 it plans 124.5 GiB and runs at 13.2K tokens/s,
-but its loss is NaN from the second step on, with any recipe, step or
-learning rate, while 20 layers of these dimensions train
-(benchmarks/RESULTS.md "one-gpu").
 """
 
 from coat_jax.training import Config

@@ -316,6 +316,82 @@ def next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
+# Pallas-Triton indexes an operand with 32-bit signed offsets (in elements)
+# unless the operand holds more than 2^32 bytes: a 1-byte (FP8) operand of
+# 2^31 to 2^32 elements gets offsets past 2^31 - 1, which wrap, and the
+# kernel reads and writes outside it (the FP8 moments of a 13B model's
+# stacked MLP weights: 40 x 5120 x 13824 elements). Such operands go through
+# the kernels in parts along their leading axis (`in_leading_parts`), each
+# of at most PART_ELEMENTS elements.
+INT32_OFFSET_LIMIT = 2**31
+PART_ELEMENTS = 2**28
+
+
+def offsets_overflow(*arrays: Any) -> bool:
+  """Whether Pallas-Triton would index one of `arrays` (anything with shape
+  and dtype; None is skipped) past 32-bit signed offsets."""
+  for a in arrays:
+    if a is None:
+      continue
+    n = math.prod(a.shape)
+    if n >= INT32_OFFSET_LIMIT and n * np.dtype(a.dtype).itemsize <= 2**32:
+      return True
+  return False
+
+
+def leading_parts(shape: tuple[int, ...],
+                  limit: int | None = None) -> list[tuple[int, int]]:
+  """[(start, stop)] covering shape[0] in parts of at most `limit`
+  (default PART_ELEMENTS) elements, each at least one index of axis 0.
+
+  Raises:
+    ValueError: for a 0-d or 1-D shape (no leading axis to split with the
+      last one kept whole).
+  """
+  if len(shape) < 2:
+    raise ValueError(
+        f'an array of shape {shape} has {math.prod(shape)} elements, more'
+        f' than the {INT32_OFFSET_LIMIT} the Pallas-Triton kernels index'
+        ' with 32-bit offsets, and no leading axis to split it along:'
+        " reshape it to 2-D, or use implementation='xla'.")
+  per_index = math.prod(shape[1:])
+  step = max(1, (PART_ELEMENTS if limit is None else limit) // per_index)
+  return [(i, min(i + step, shape[0])) for i in range(0, shape[0], step)]
+
+
+def in_leading_parts(fn: Callable[..., Any], whole: Any, parts_of: Any,
+                     out_shapes: Any = None) -> Any:
+  """`fn` applied part by part along axis 0 (`leading_parts` of the first
+  leaf of `whole`, or of `parts_of`), its results written into `whole` in
+  place.
+
+  Args:
+    fn: (whole's parts, parts_of's parts) -> a pytree like `whole`'s parts
+      (or, with out_shapes, like out_shapes' parts, then whole's).
+    whole: pytree of arrays updated part by part (dynamic-update-slices
+      of the same buffers: in place under jit with donated inputs).
+    parts_of: pytree of read-only arrays sliced alongside.
+    out_shapes: None, or a pytree of ShapeDtypeStructs of further results,
+      made as zeros and filled part by part.
+
+  Returns:
+    The updated `whole` (with out_shapes: (out, whole)).
+  """
+  leading = jax.tree.leaves((whole, parts_of))[0].shape
+  state = whole
+  if out_shapes is not None:
+    state = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes),
+             whole)
+  for start, stop in leading_parts(leading):
+    cut = lambda a: lax.slice_in_dim(a, start, stop, axis=0)
+    args = jax.tree.map(cut, whole if out_shapes is None else state[1])
+    new = fn(args, jax.tree.map(cut, parts_of))
+    state = jax.tree.map(
+        lambda a, b: lax.dynamic_update_slice_in_dim(a, b, start, 0),
+        state, new)
+  return state
+
+
 def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
   """(rows, cols) of the 2-D view that keeps the last axis: () -> (1, 1)."""
   if not shape:

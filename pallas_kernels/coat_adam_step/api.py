@@ -128,12 +128,29 @@ def coat_adam_step(
     from pallas_kernels.coat_adam_step import pallas_triton
     hp = reference.hyperparams(
         count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
-    p, m2, v2 = pallas_triton.coat_adam_step(
-        param, grad, m, v, hp, apply, group_size=group_size,
-        expansion=expansion,
-        apply_weight_decay=not reference._no_decay(weight_decay),
-        interpret=interpret, approx=approx,
-        layer=None if layer is None else jnp.int32(layer))
+
+    def kernel(state, grad, layer=None):
+      return pallas_triton.coat_adam_step(
+          *state[:1], grad, *state[1:], hp, apply, group_size=group_size,
+          expansion=expansion,
+          apply_weight_decay=not reference._no_decay(weight_decay),
+          interpret=interpret, approx=approx,
+          layer=None if layer is None else jnp.int32(layer))
+
+    def in_parts(state, grad):  # `_common.offsets_overflow`
+      if not _common.offsets_overflow(*jax.tree.leaves(state)):
+        return kernel(state, grad)
+      return _common.in_leading_parts(kernel, state, grad)
+
+    state = (param, m, v)
+    if not _common.offsets_overflow(*jax.tree.leaves(state)):
+      p, m2, v2 = kernel(state, grad, layer)
+    elif layer is None:
+      p, m2, v2 = in_parts(state, grad)
+    else:  # the layer's slice, written back (a dynamic-update-slice)
+      new = in_parts(jax.tree.map(lambda a: a[layer], state), grad)
+      p, m2, v2 = jax.tree.map(lambda whole, x: whole.at[layer].set(x),
+                               state, new)
   else:
     at = (lambda a: a) if layer is None else (lambda a: a[layer])
     p, m2, v2 = reference.coat_adam_step(

@@ -5,6 +5,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common
 from pallas_kernels import dispatch
 from pallas_kernels.coat_adam_step import api as step_api
 from pallas_kernels.coat_adam_update import reference
@@ -49,10 +50,21 @@ def coat_adam_update(
   fusable = group_size >= 2 and group_size & (group_size - 1) == 0
   if impl == 'pallas' and fusable:
     from pallas_kernels.coat_adam_step import pallas_triton  # pylint: disable=g-import-not-at-top
-    u, m2, v2 = pallas_triton.coat_adam_update(
-        grad, m, v, reference.hyperparams(count, b1, b2, eps),
-        group_size=group_size, expansion=expansion, interpret=interpret,
-        approx=approx)
+    hp = reference.hyperparams(count, b1, b2, eps)
+
+    def kernel(moments, grad):
+      return pallas_triton.coat_adam_update(
+          grad, *moments, hp, group_size=group_size, expansion=expansion,
+          interpret=interpret, approx=approx)
+
+    if not _common.offsets_overflow(grad, m.values, v.values):
+      u, m2, v2 = kernel((m, v), grad)
+    else:  # in parts: `_common.offsets_overflow`
+      u, (m2, v2) = _common.in_leading_parts(
+          lambda moments, grad: (lambda u, *mv: (u, tuple(mv)))(
+              *kernel(moments, grad)),
+          (m, v), grad,
+          out_shapes=jax.ShapeDtypeStruct(grad.shape, jnp.float32))
   else:
     u, m2, v2 = reference.coat_adam_update(
         grad, m, v, count, b1=b1, b2=b2, eps=eps, group_size=group_size,
