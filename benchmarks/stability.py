@@ -72,6 +72,20 @@ def parse_variants(specs: list[str]) -> dict:
   return runs
 
 
+def check_deterministic(variants: dict, common: list[str]) -> None:
+  """Raises ValueError naming --no-deterministic where a variant unrolls
+  its layers (model.scan_layers=false), which XLA's deterministic kernels
+  cannot run: train.py would refuse every such run after it started."""
+  for name, (_, overrides) in variants.items():
+    for item in [*common, *overrides]:
+      key, _, value = item.partition('=')
+      if key == 'model.scan_layers' and value.lower() in ('false', '0'):
+        raise ValueError(
+            f'variant {name!r} sets {item}: unrolled layers do not run under'
+            " XLA's deterministic kernels (--deterministic, the default);"
+            ' pass --no-deterministic, or drop the override.')
+
+
 def run_name(variant: str, lr: float, seed: int) -> str:
   return f'{variant}_lr{lr:g}_seed{seed}'
 
@@ -503,6 +517,11 @@ def main(argv=None) -> int:
                 if k in args.only.split(',')}
   if args.parallel < 1:
     parser.error('--parallel must be >= 1.')
+  if args.deterministic:
+    try:
+      check_deterministic(variants, args.set)
+    except ValueError as e:
+      parser.error(str(e))
   print(f'stability: {args.config}, data {args.data}, seq {args.seq},'
         f' batch {args.batch},'
         f' {args.steps} steps, lrs {lrs}, seeds {seeds}, variants'

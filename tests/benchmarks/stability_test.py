@@ -112,6 +112,17 @@ def test_runs_use_deterministic_kernels_unless_told(monkeypatch):
       '--xla_gpu_deterministic_ops=true')
 
 
+def test_unrolled_variants_need_no_deterministic(tmp_path, capsys):
+  argv = ['--out-dir', str(tmp_path), '--only', 'u',
+          '--variants', 'u=coat:model.scan_layers=false']
+  with pytest.raises(SystemExit):
+    stability.main(argv)
+  assert '--no-deterministic' in capsys.readouterr().err
+  assert not os.listdir(tmp_path)  # refused before any run started
+  stability.check_deterministic(
+      stability.parse_variants(['s=coat:model.scan_layers=true']), [])
+
+
 def test_budget_stops_starting_runs(monkeypatch, tmp_path, capsys):
   clock = [0.0]
   started = []
