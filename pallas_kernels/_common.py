@@ -361,9 +361,10 @@ def leading_parts(shape: tuple[int, ...],
 
 def in_leading_parts(fn: Callable[..., Any], whole: Any, parts_of: Any,
                      out_shapes: Any = None) -> Any:
-  """`fn` applied part by part along axis 0 (`leading_parts` of the first
-  leaf of `whole`, or of `parts_of`), its results written into `whole` in
-  place.
+  """`fn(whole, parts_of)`, or where `offsets_overflow` (of whole,
+  parts_of or out_shapes), `fn` part by part along axis 0 (`leading_parts`
+  of the first leaf of `whole`, or of `parts_of`), its results written into
+  `whole` in place.
 
   Args:
     fn: (whole's parts, parts_of's parts) -> a pytree like `whole`'s parts
@@ -377,6 +378,8 @@ def in_leading_parts(fn: Callable[..., Any], whole: Any, parts_of: Any,
   Returns:
     The updated `whole` (with out_shapes: (out, whole)).
   """
+  if not offsets_overflow(*jax.tree.leaves((whole, parts_of, out_shapes))):
+    return fn(whole, parts_of)
   leading = jax.tree.leaves((whole, parts_of))[0].shape
   state = whole
   if out_shapes is not None:

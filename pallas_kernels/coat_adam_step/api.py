@@ -137,18 +137,16 @@ def coat_adam_step(
           interpret=interpret, approx=approx,
           layer=None if layer is None else jnp.int32(layer))
 
-    def in_parts(state, grad):  # `_common.offsets_overflow`
-      if not _common.offsets_overflow(*jax.tree.leaves(state)):
-        return kernel(state, grad)
-      return _common.in_leading_parts(kernel, state, grad)
-
+    # Operands past 32-bit offsets (`_common.offsets_overflow`) run in
+    # parts; one layer of such a stack runs as a slice, written back.
     state = (param, m, v)
-    if not _common.offsets_overflow(*jax.tree.leaves(state)):
+    if layer is None:
+      p, m2, v2 = _common.in_leading_parts(kernel, state, grad)
+    elif not _common.offsets_overflow(*jax.tree.leaves(state)):
       p, m2, v2 = kernel(state, grad, layer)
-    elif layer is None:
-      p, m2, v2 = in_parts(state, grad)
-    else:  # the layer's slice, written back (a dynamic-update-slice)
-      new = in_parts(jax.tree.map(lambda a: a[layer], state), grad)
+    else:
+      new = _common.in_leading_parts(
+          kernel, jax.tree.map(lambda a: a[layer], state), grad)
       p, m2, v2 = jax.tree.map(lambda whole, x: whole.at[layer].set(x),
                                state, new)
   else:

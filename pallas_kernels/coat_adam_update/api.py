@@ -57,14 +57,12 @@ def coat_adam_update(
           grad, *moments, hp, group_size=group_size, expansion=expansion,
           interpret=interpret, approx=approx)
 
-    if not _common.offsets_overflow(grad, m.values, v.values):
-      u, m2, v2 = kernel((m, v), grad)
-    else:  # in parts: `_common.offsets_overflow`
-      u, (m2, v2) = _common.in_leading_parts(
-          lambda moments, grad: (lambda u, *mv: (u, tuple(mv)))(
-              *kernel(moments, grad)),
-          (m, v), grad,
-          out_shapes=jax.ShapeDtypeStruct(grad.shape, jnp.float32))
+    # In parts where `_common.offsets_overflow`.
+    u, (m2, v2) = _common.in_leading_parts(
+        lambda moments, grad: (lambda u, *mv: (u, tuple(mv)))(
+            *kernel(moments, grad)),
+        (m, v), grad,
+        out_shapes=jax.ShapeDtypeStruct(grad.shape, jnp.float32))
   else:
     u, m2, v2 = reference.coat_adam_update(
         grad, m, v, count, b1=b1, b2=b2, eps=eps, group_size=group_size,

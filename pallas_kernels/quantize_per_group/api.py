@@ -62,13 +62,10 @@ def quantize_per_group(
     from pallas_kernels.quantize_per_group import pallas_triton
     kernel = lambda x: pallas_triton.quantize_per_group(
         x, group_size, dt, expansion, scale_dtype=sd, interpret=interpret)
-    codes = jax.ShapeDtypeStruct(x.shape, _common.fp8_dtype(dt))
-    if not _common.offsets_overflow(x, codes):
-      return kernel(x)
-    # In parts: `_common.offsets_overflow`.
-    out = jax.eval_shape(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    # In parts where `_common.offsets_overflow`.
     return _common.in_leading_parts(
-        lambda _, x: (kernel(x), ()), (), x, out_shapes=out)[0]
+        lambda _, x: (kernel(x), ()), (), x,
+        out_shapes=jax.eval_shape(kernel, x))[0]
   return reference.quantize_per_group(
       x, group_size, dt, expansion, scale_dtype=sd)
 
@@ -106,12 +103,9 @@ def dequantize_per_group(
     from pallas_kernels.quantize_per_group import pallas_triton
     kernel = lambda q: pallas_triton.dequantize_per_group(
         *q, group_size, out_dtype=np.dtype(out_dtype), interpret=interpret)
-    out = jax.ShapeDtypeStruct(values.shape, np.dtype(out_dtype))
-    if not _common.offsets_overflow(values, out):
-      return kernel((values, scale, exponent))
-    # In parts: `_common.offsets_overflow`.
+    # In parts where `_common.offsets_overflow`.
     return _common.in_leading_parts(
         lambda _, q: (kernel(q), ()), (), (values, scale, exponent),
-        out_shapes=out)[0]
+        out_shapes=jax.ShapeDtypeStruct(values.shape, np.dtype(out_dtype)))[0]
   return reference.dequantize_per_group(
       values, scale, exponent, group_size, out_dtype=out_dtype)

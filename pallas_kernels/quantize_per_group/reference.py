@@ -132,13 +132,9 @@ def store_scale(
             else e8m0_bits(scale))
   scale = scale.astype(scale_dtype)
   scale = scale + (scale == 0).astype(scale.dtype)
-  scale = jnp.maximum(scale, np.asarray(_smallest_normal(scale_dtype),
+  scale = jnp.maximum(scale, np.asarray(jnp.finfo(scale_dtype).smallest_normal,
                                         scale.dtype))
   return scale + (amax - amax).astype(scale.dtype)
-
-
-def _smallest_normal(dtype: Any) -> float:
-  return float(jnp.finfo(dtype).smallest_normal)
 
 
 def expansion_exponent(
