@@ -33,6 +33,60 @@ _OPTIM_LAYOUT = ('name', 'group_size', 'moment_dtypes', 'expansion')
 _MODEL_RUNTIME = ('recipe', 'precision', 'fp8_weight_gather', 'fuse_qkv',
                   'remat', 'scaling', 'scan_layers', 'init_from')
 _MODEL_DEFAULTS = dataclasses.asdict(ModelConfig())
+# Orbax's own cap on the bytes (GB) a save or restore holds in host memory
+# at once.
+_ORBAX_CONCURRENT_GB = 96
+# XLA's pinned host memory pool on GPUs (GB), into which orbax copies a whole
+# save at once: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 unless set.
+_PINNED_HOST_LIMIT_VAR = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
+_PINNED_HOST_DEFAULT_GB = 64
+
+
+def _nbytes(template: Any) -> list[int]:
+  return [leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(template)]
+
+
+def host_transfer_gb(template: Any) -> float:
+  """The bytes (GB) a save may hold in host memory while writing, or a
+  restore while reading, `template`'s leaves: a quarter of the memory this
+  host has free, at most orbax's default, and never below the largest leaf
+  (orbax refuses a leaf larger than its budget)."""
+  budget = _ORBAX_CONCURRENT_GB
+  try:
+    free = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+    budget = min(budget, free / 4 / 1e9)
+  except (ValueError, OSError, AttributeError):
+    pass
+  return max([budget] + [n / 1e9 for n in _nbytes(template)])
+
+
+def fits_pinned_host(template: Any) -> bool:
+  """Whether `template`'s state takes at most half of XLA's pinned host pool
+  (host offload shares the pool). Orbax copies a whole save off a GPU into
+  that pool before writing it; a 13B state (80 GB) overflows the default
+  64 GB and the save fails."""
+  pinned = float(os.environ.get(_PINNED_HOST_LIMIT_VAR,
+                                _PINNED_HOST_DEFAULT_GB))
+  return sum(_nbytes(template)) / 1e9 <= pinned / 2
+
+
+def _state_handler(template: Any) -> ocp.StandardCheckpointHandler:
+  """The orbax handler of the state item: orbax's defaults without a
+  template; with one, `host_transfer_gb` bounds its writes and reads, and a
+  state too large for the pinned pool is copied to ordinary host memory."""
+  if template is None:
+    return ocp.StandardCheckpointHandler()
+  budget = host_transfer_gb(template)
+  handler = ocp.StandardCheckpointHandler(save_concurrent_gb=budget,
+                                          restore_concurrent_gb=budget)
+  if not fits_pinned_host(template):
+    # StandardCheckpointHandler does not pass this option on; its
+    # implementation is the PyTreeCheckpointHandler that takes it (the same
+    # format on disk).
+    handler._impl = ocp.PyTreeCheckpointHandler(  # noqa: SLF001
+        save_concurrent_gb=budget, restore_concurrent_gb=budget,
+        enable_pinned_host_transfer=False)
+  return handler
 
 
 def _must_match(config: Config) -> dict:
@@ -73,9 +127,15 @@ _ITEMS = ('state', 'config')
 
 
 class Checkpointer:
-  """Saves and restores the train state under `<run_dir>/checkpoints`."""
+  """Saves and restores the train state under `<run_dir>/checkpoints`.
 
-  def __init__(self, run_dir: str, config: Config):
+  template: the state's tree of arrays or shapes, when known: it bounds the
+  host memory a save or restore holds at once (`host_transfer_gb`) and
+  keeps a large state's save out of the pinned host pool
+  (`fits_pinned_host`); without it orbax's defaults apply.
+  """
+
+  def __init__(self, run_dir: str, config: Config, template: Any = None):
     self.directory = os.path.abspath(os.path.join(run_dir, 'checkpoints'))
     self.config = config
     options = ocp.CheckpointManagerOptions(
@@ -83,7 +143,7 @@ class Checkpointer:
         enable_async_checkpointing=True)
     self.manager = ocp.CheckpointManager(
         self.directory, options=options, item_handlers={
-            'state': ocp.StandardCheckpointHandler(),
+            'state': _state_handler(template),
             'config': ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:

@@ -226,23 +226,40 @@ def _layers(model: Any) -> str:
 
 
 def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
-  """Raises ValueError, naming the settings to change, if `mem` won't fit."""
+  """Raises ValueError if `mem` won't fit, naming the settings of `config`
+  that would keep less on the device (only those not set already)."""
   if mem.fits:
     return
   arch = config_lib.architecture(config.model)
   recipe = config_lib.recipe(config.model)
   policy = remat_lib.resolve(arch.remat, recipe, arch.scan_layers)
-  others = [p for p in remat_lib.POLICIES if p != policy]
+  in_backward = config.optim.apply_in_backward
+  gib = lambda n: f'{n / GIB:.2f} GiB'
+  options = ['a smaller train.batch_size (or more train.microbatches)']
+  # POLICIES runs from the one that keeps most to the one that keeps least.
+  keep_less = list(remat_lib.POLICIES[remat_lib.POLICIES.index(policy) + 1:])
+  if keep_less:
+    options.append(f'a remat policy that keeps less (model.remat one of'
+                   f' {keep_less}; \'full\' keeps least)')
+  if not arch.scan_layers and not in_backward:
+    options.append('model.scan_layers=true (with remat, less still)')
+  if not in_backward and config.train.offload == 'none':
+    options.append('optim.apply_in_backward=true (each decoder layer steps'
+                   ' inside backward: its gradients, most of the'
+                   f' {gib(mem.gradients)}, are never all live; one device,'
+                   ' FP8 moments, unrolled layers, docs/in_backward.md)')
+    if mem.optimizer_state:
+      options.append("train.offload='optimizer' (the optimizer state in"
+                     ' pinned host memory: up to'
+                     f' {gib(mem.optimizer_state)} less)')
+  options += ['more devices, or mesh.fsdp > 1 to shard params and optimizer'
+              ' state', 'a larger XLA_PYTHON_CLIENT_MEM_FRACTION']
   raise ValueError(
-      f'this run needs {mem.total / GIB:.2f} GiB per device but the device'
-      f' allows {mem.limit / GIB:.2f} GiB (train.batch_size='
-      f'{config.train.batch_size}, model.remat={arch.remat!r},'
-      f' model.recipe={recipes.name_of(recipe) or recipe}). Options: a'
-      ' smaller train.batch_size (or more train.microbatches); a remat'
-      f' policy that keeps less (model.remat one of {others}; \'full\''
-      ' keeps least, with model.scan_layers=true less still); more devices,'
-      ' or mesh.fsdp > 1 to shard params and optimizer state; or raise'
-      ' XLA_PYTHON_CLIENT_MEM_FRACTION. `python train.py --find-max-batch'
-      ' ...` finds the largest batch per layer layout and policy.')
+      f'this run needs {gib(mem.total)} per device but the device allows'
+      f' {gib(mem.limit)} (train.batch_size={config.train.batch_size},'
+      f' model.remat={arch.remat!r}, model.recipe='
+      f'{recipes.name_of(recipe) or recipe}). Options: '
+      + '; '.join(options) + '. `python train.py --find-max-batch ...` finds'
+      ' the largest batch per layer layout and policy.')
 
 

@@ -565,7 +565,8 @@ def _train(config: config_lib.Config, devices) -> dict:
     with open(os.path.join(t.run_dir, 'config.json'), 'w') as f:
       json.dump(config_lib.to_dict(config), f, indent=2)
   learning_rate = _adamw_args(config)['learning_rate']
-  checkpointer = Checkpointer(t.run_dir, config)
+  checkpointer = Checkpointer(t.run_dir, config,
+                              template=setup.abstract_state)
   with jax.set_mesh(setup.mesh):
     resumed_from, state = _start_state(setup, checkpointer, lead)
     log.drop_after(int(state['step']))

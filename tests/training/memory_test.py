@@ -1,5 +1,6 @@
 """Memory: the ahead-of-time estimate, fitting, the max batch, train.py."""
 
+import dataclasses
 import math
 import os
 import sys
@@ -67,6 +68,33 @@ def test_a_run_that_does_not_fit_is_refused_before_training(
                      r'.*mesh\.fsdp'):
     training.train(config, devices=ONE)
   assert not os.path.exists(config.train.run_dir)  # nothing was started
+
+
+def test_refusal_names_only_settings_not_set_already(tiny_config):
+  """What check_fits offers depends on what the run already does: no remat
+  policy past 'full', no offload or in-backward step where one is on."""
+  gib = memory.GIB
+  mem = memory.MemoryBreakdown(params=gib, optimizer_state=gib // 2,
+                               gradients=gib, activations=gib,
+                               total=4 * gib, limit=3 * gib)
+  with pytest.raises(ValueError) as e:
+    memory.check_fits(mem, tiny_config(model={'remat': 'none'}))
+  plain = str(e.value)
+  for option in ("model.remat one of ['minimal', 'minimal_offloaded',"
+                 " 'full']", 'model.scan_layers=true',
+                 'optim.apply_in_backward=true', "train.offload='optimizer'"
+                 ' (the optimizer state in pinned host memory: up to 0.50'
+                 ' GiB less)', 'smaller train.batch_size', 'mesh.fsdp'):
+    assert option in plain, option
+  offloaded = tiny_config(model={'remat': 'full', 'scan_layers': True},
+                          train={'offload': 'optimizer'})
+  with pytest.raises(ValueError) as e:
+    memory.check_fits(mem, offloaded)
+  for option in ('model.remat one of', 'scan_layers', 'apply_in_backward',
+                 'train.offload'):
+    assert option not in str(e.value), option
+  assert 'smaller train.batch_size' in str(e.value)
+  memory.check_fits(dataclasses.replace(mem, limit=5 * gib), offloaded)
 
 
 def test_a_state_that_cannot_fit_is_refused_before_compiling(
