@@ -475,8 +475,11 @@ def test_a_hidden_size_that_splits_groups_still_shards_every_weight(
     runs[n, gather] = losses
   assert runs[8, True] == runs[8, False]
   assert runs[8, True][2] < runs[8, True][1]
-  # Sharded reductions round differently: as the other mesh comparisons.
-  np.testing.assert_allclose(runs[8, True], runs[1, True], rtol=2e-3)
+  # Sharded reductions round differently. The first two losses come from
+  # the initial params (the first step's learning rate is 0); the third
+  # follows an update whose FP8 codes that rounding may have flipped.
+  np.testing.assert_allclose(runs[8, True][:2], runs[1, True][:2], rtol=1e-3)
+  np.testing.assert_allclose(runs[8, True][2], runs[1, True][2], rtol=5e-3)
 
 
 def test_the_33b_config_shards_its_state_8_ways():
