@@ -154,6 +154,25 @@ def _layer_bytes(setup: Any) -> int:
                            layers(setup.state_shardings['params']))
 
 
+def _gib(n: int) -> str:
+  return f'{n / GIB:.2f} GiB'
+
+
+def _in_backward_option(freed: int, up_to: bool = False) -> str:
+  """The in-backward step as a way to fit, freeing `freed` bytes."""
+  return ('optim.apply_in_backward=true (each decoder layer steps inside'
+          ' backward, so its gradients are never all live: '
+          + ('up to ' if up_to else '') + f'{_gib(freed)} less; it needs one'
+          ' device, FP8 moments and unrolled layers, docs/in_backward.md)')
+
+
+def _offload_option(optimizer_state: int) -> str:
+  """Optimizer offload as a way to fit."""
+  return ("train.offload='optimizer' (the optimizer state in pinned host"
+          ' memory, on the device only for its step: up to'
+          f' {_gib(optimizer_state)} less)')
+
+
 def check_state_fits(setup: Any, limit: int | None = None) -> None:
   """Before anything compiles: raises ValueError, naming the settings that
   would make room, if the params, optimizer state and gradients alone
@@ -165,28 +184,22 @@ def check_state_fits(setup: Any, limit: int | None = None) -> None:
   if limit is None or need <= limit:
     return
   config = setup.config
-  gib = lambda n: f'{n / GIB:.2f} GiB'
   options = []
   if not config_lib.can_fuse(config.optim):
     options.append('FP8 moments (optim.name=coat_adamw with FP8'
                    ' optim.moment_dtypes: 2.125 bytes a param, not 8)')
   if not config.optim.apply_in_backward and setup.mesh.size == 1:
-    options.append('optim.apply_in_backward=true (each decoder layer steps'
-                   ' inside backward, so its gradients are never all live:'
-                   f' {gib(_layer_bytes(setup))} less; it needs FP8 moments'
-                   ' and unrolled layers, docs/in_backward.md)')
+    options.append(_in_backward_option(_layer_bytes(setup)))
   if opt and not config.optim.apply_in_backward:
-    options.append("train.offload='optimizer' (the optimizer state in"
-                   ' pinned host memory, on the device only for its step:'
-                   ' up to ' + gib(opt) + ' less)')
+    options.append(_offload_option(opt))
   options.append('mesh.fsdp=N over N devices (params, optimizer state and'
                  ' gradients shard N ways)')
   options.append('a smaller model (model.num_layers, model.hidden_size)')
   raise ValueError(
-      f'this run\'s state alone needs {gib(need)} per device (params'
-      f' {gib(params)}, optimizer state {gib(opt)}, gradients {gib(grads)}),'
-      f' before any activation, and the device allows {gib(limit)}. To make'
-      ' room: ' + '; '.join(options) + '.')
+      f'this run\'s state alone needs {_gib(need)} per device (params'
+      f' {_gib(params)}, optimizer state {_gib(opt)}, gradients'
+      f' {_gib(grads)}), before any activation, and the device allows'
+      f' {_gib(limit)}. To make room: ' + '; '.join(options) + '.')
 
 
 def breakdown(setup: Any, compiled,
@@ -234,7 +247,6 @@ def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
   recipe = config_lib.recipe(config.model)
   policy = remat_lib.resolve(arch.remat, recipe, arch.scan_layers)
   in_backward = config.optim.apply_in_backward
-  gib = lambda n: f'{n / GIB:.2f} GiB'
   options = ['a smaller train.batch_size (or more train.microbatches)']
   # POLICIES runs from the one that keeps most to the one that keeps least.
   keep_less = list(remat_lib.POLICIES[remat_lib.POLICIES.index(policy) + 1:])
@@ -244,19 +256,14 @@ def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
   if not arch.scan_layers and not in_backward:
     options.append('model.scan_layers=true (with remat, less still)')
   if not in_backward and config.train.offload == 'none':
-    options.append('optim.apply_in_backward=true (each decoder layer steps'
-                   ' inside backward: its gradients, most of the'
-                   f' {gib(mem.gradients)}, are never all live; one device,'
-                   ' FP8 moments, unrolled layers, docs/in_backward.md)')
+    options.append(_in_backward_option(mem.gradients, up_to=True))
     if mem.optimizer_state:
-      options.append("train.offload='optimizer' (the optimizer state in"
-                     ' pinned host memory: up to'
-                     f' {gib(mem.optimizer_state)} less)')
+      options.append(_offload_option(mem.optimizer_state))
   options += ['more devices, or mesh.fsdp > 1 to shard params and optimizer'
               ' state', 'a larger XLA_PYTHON_CLIENT_MEM_FRACTION']
   raise ValueError(
-      f'this run needs {gib(mem.total)} per device but the device allows'
-      f' {gib(mem.limit)} (train.batch_size={config.train.batch_size},'
+      f'this run needs {_gib(mem.total)} per device but the device allows'
+      f' {_gib(mem.limit)} (train.batch_size={config.train.batch_size},'
       f' model.remat={arch.remat!r}, model.recipe='
       f'{recipes.name_of(recipe) or recipe}). Options: '
       + '; '.join(options) + '. `python train.py --find-max-batch ...` finds'

@@ -83,8 +83,9 @@ def test_refusal_names_only_settings_not_set_already(tiny_config):
   for option in ("model.remat one of ['minimal', 'minimal_offloaded',"
                  " 'full']", 'model.scan_layers=true',
                  'optim.apply_in_backward=true', "train.offload='optimizer'"
-                 ' (the optimizer state in pinned host memory: up to 0.50'
-                 ' GiB less)', 'smaller train.batch_size', 'mesh.fsdp'):
+                 ' (the optimizer state in pinned host memory, on the device'
+                 ' only for its step: up to 0.50 GiB less)',
+                 'smaller train.batch_size', 'mesh.fsdp'):
     assert option in plain, option
   offloaded = tiny_config(model={'remat': 'full', 'scan_layers': True},
                           train={'offload': 'optimizer'})
