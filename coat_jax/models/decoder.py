@@ -17,6 +17,7 @@ under `jax.lax.scan` (`DecoderConfig.scan_layers`), each under the remat
 policy of `coat_jax.models.remat`.
 """
 
+from collections.abc import Callable
 from collections.abc import Sequence
 import dataclasses
 import functools
@@ -486,6 +487,27 @@ class DecoderLayer(nnx.Module):
                     grad_amax_slot=grad_amax_slot is not None)
 
 
+class LayerFeed:
+  """Where unrolled layers read their params: the in-backward step's
+  carrier (`training.in_backward`).
+
+  `read(i, source) -> (source, layer i's params tree)` runs inside layer
+  i's remat. Under remat 'full', `recompute` (if given) runs the layer
+  instead: `recompute(i, source, fn, stream) -> (source, fn(params,
+  stream))`, with fn's backward its own (recomputing fn in backward from
+  the params its source then holds). `Decoder.hidden_states` threads
+  `source` through the layers in order and leaves the last one in
+  `source`, a value of the caller's trace.
+  """
+
+  def __init__(self, source: Any,
+               read: Callable[[int, Any], tuple[Any, Any]],
+               recompute: Callable[..., tuple[Any, Any]] | None = None):
+    self.source = source
+    self.read = read
+    self.recompute = recompute
+
+
 class Decoder(nnx.Module):
   """A decoder-only language model: int tokens (B, S) -> logits (B, S, V).
 
@@ -555,7 +577,7 @@ class Decoder(nnx.Module):
     return fsdp.gather_weight(self.lm_head[...])
 
   def hidden_states(self, tokens: jax.Array,
-                    layers: Sequence[Any] | None = None,
+                    layers: Sequence[Any] | LayerFeed | None = None,
                     prefix: jax.Array | None = None) -> jax.Array:
     """int tokens (B, S) -> final normed hidden states (B, S, H) in dtype.
 
@@ -563,7 +585,7 @@ class Decoder(nnx.Module):
     params (the stacked params' tree, sliced), used in place of slices of
     the stacked params, so that gradients with respect to them come per
     layer and are never stacked (`fused_coat_adamw` steps each layer of the
-    stack in place).
+    stack in place); or a `LayerFeed`, read inside each layer's remat.
 
     `prefix`: None, or (B, P, H) floating embeddings (a vision-language
     model's image tokens) placed before the token embeddings, cast to dtype
@@ -572,8 +594,10 @@ class Decoder(nnx.Module):
     """
     config = self.config
     seq = _check_tokens(tokens, config, prefix)
-    if layers is not None and (config.scan_layers
-                               or len(layers) != config.num_layers):
+    if isinstance(layers, LayerFeed) and config.scan_layers:
+      raise ValueError('layers: a LayerFeed needs scan_layers=False.')
+    if layers is not None and not isinstance(layers, LayerFeed) and (
+        config.scan_layers or len(layers) != config.num_layers):
       raise ValueError(
           f'layers: {len(layers)} per-layer param trees given; they need'
           f' scan_layers=False (got {config.scan_layers}) and one tree'
@@ -601,6 +625,8 @@ class Decoder(nnx.Module):
       stream = self._scan_layers(
           graphdef, stacked, stream,
           _layer_kwargs(config, ropes, config.layer_types[0]))
+    elif isinstance(layers, LayerFeed):
+      stream = self._fed_layers(graphdef, layers, stream, ropes)
     else:
       # One function per layer type, so that remat traces each once.
       apply_layer = {
@@ -615,6 +641,31 @@ class Decoder(nnx.Module):
     x, slot = stream
     return self.norm(x if slot is None
                      else linear.fill_grad_amax_slot(x, slot))
+
+  def _fed_layers(self, graphdef, feed: LayerFeed, stream, ropes):
+    """The unrolled layers applied to the stream, each reading its params
+    from `feed` inside its remat (traced once per layer: `feed.read` takes
+    a static index); the last source is left in `feed.source`."""
+    config = self.config
+    runs = {kind: _apply_layer(**_layer_kwargs(config, ropes, kind))
+            for kind in ropes}
+
+    def layer(i, run):
+      if self.remat == 'full' and feed.recompute is not None:
+        fn = lambda params, stream: run(nnx.merge(graphdef, params), stream)
+        return lambda source, stream: feed.recompute(i, source, fn, stream)
+
+      def apply(source, stream):
+        source, params = feed.read(i, source)
+        return source, run(nnx.merge(graphdef, params), stream)
+      return remat_lib.apply(apply, self.remat, in_scan=False)
+
+    source = feed.source
+    for i, kind in enumerate(config.layer_types):
+      source, stream = layer(i, runs[kind])(source, stream)
+      stream = _shard_batch(stream)
+    feed.source = source
+    return stream
 
   def _scan_layers(self, graphdef, stacked, stream, layer_kwargs):
     """The stacked layers applied to the stream (x, slot or None) under
@@ -778,7 +829,7 @@ def _check_tokens(tokens: Any, config: DecoderConfig,
 
 def lm_loss(model: Decoder, tokens: jax.Array, targets: jax.Array, *,
             chunk_size: int = 2048,
-            layers: Sequence[Any] | None = None) -> jax.Array:
+            layers: Sequence[Any] | LayerFeed | None = None) -> jax.Array:
   """Mean next-token cross entropy, without materializing all logits.
 
   Args:
@@ -786,7 +837,8 @@ def lm_loss(model: Decoder, tokens: jax.Array, targets: jax.Array, *,
     tokens: (B, S) integer inputs.
     targets: (B, S) integer next tokens; negative ids are ignored.
     chunk_size: tokens per chunk of (chunk_size, V) float32 logits.
-    layers: per-layer params of unrolled layers (`Decoder.hidden_states`).
+    layers: per-layer params of unrolled layers, or a `LayerFeed`
+      (`Decoder.hidden_states`).
 
   Returns:
     float32 scalar: summed loss / number of targets >= 0 (0 if none).

@@ -28,6 +28,7 @@ from coat_jax import recipes
 from coat_jax.models import vit
 from coat_jax.models.decoder import Decoder
 from coat_jax.models.decoder import DecoderConfig
+from coat_jax.models.decoder import LayerFeed
 from coat_jax.models.llama import LlamaConfig
 from coat_jax.models.loss import chunked_cross_entropy
 
@@ -153,7 +154,7 @@ class VLM(nnx.Module):
     return self.projector(self.vision(images)).astype(self.decoder.dtype)
 
   def hidden_states(self, images: jax.Array, tokens: jax.Array,
-                    layers: Sequence[Any] | None = None) -> jax.Array:
+                    layers: Sequence[Any] | LayerFeed | None = None) -> jax.Array:
     """The decoder's final hidden states of the text positions, (B, S, H).
     `layers`: the decoder's per-layer params (`Decoder.hidden_states`)."""
     prefix = self.image_tokens(images)
@@ -171,7 +172,7 @@ class VLM(nnx.Module):
 def vlm_loss(model: VLM, images: jax.Array, tokens: jax.Array,
              targets: jax.Array, loss_mask: jax.Array, *,
              chunk_size: int = 2048,
-             layers: Sequence[Any] | None = None) -> jax.Array:
+             layers: Sequence[Any] | LayerFeed | None = None) -> jax.Array:
   """Mean next-token cross entropy over the masked text positions.
 
   Args:
@@ -183,8 +184,8 @@ def vlm_loss(model: VLM, images: jax.Array, tokens: jax.Array,
     loss_mask: (B, S) bool: the positions that count (an answer's tokens
       and its end); the image tokens never do.
     chunk_size: tokens per chunk of float32 logits (`lm_loss`).
-    layers: the decoder's per-layer params of unrolled layers
-      (`Decoder.hidden_states`).
+    layers: the decoder's per-layer params of unrolled layers, or a
+      `LayerFeed` (`Decoder.hidden_states`).
 
   Returns:
     float32 scalar: summed loss / number of masked positions (0 if none).

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from coat_jax.models.decoder import LayerFeed
 from coat_jax.optim import fused
 from coat_jax.optim import moments
 from coat_jax.optim.coat_adam import ScaleByCoatAdamState
@@ -194,16 +195,19 @@ def make_train_step(
     grad_scale = (scalar(1.0) if clip == 'none'
                   else fused.clip_scale(clip_state.norm, clip_norm))
     scalars = (count, scalar(lr), grad_scale)
-    hook = _layer_hook(functools.partial(layer_step,
-                                         decay=layers_of(decay)))
+    step_layer = functools.partial(layer_step, decay=layers_of(decay))
+    hook = _layer_hook(step_layer)
+    recompute = _recomputed_layer(step_layer)
 
     def loss_of(rest, carrier):
-      layers = []
-      for i in range(task.decoder.num_layers):
-        carrier, layer = hook(i, carrier, scalars)
-        layers.append(layer)
+      # Each layer's hook runs inside its remat (`LayerFeed`): remat 'full'
+      # then keeps no float32 slice of the layer's params until backward.
+      feed = LayerFeed(
+          carrier, lambda i, c: hook(i, c, scalars),
+          lambda i, c, fn, stream: recompute(i, fn, c, stream, scalars))
       model = nnx.merge(graphdef, with_layers(rest, stacked))
-      return _seal(carrier, task.loss(model, *batch, layers=layers))
+      loss = task.loss(model, *batch, layers=feed)
+      return _seal(feed.source, loss)
 
     carrier = (layer_state, (scalar(0.0), scalar(0.0)))
     value, (grads, carrier) = jax.value_and_grad(
@@ -274,6 +278,45 @@ def _layer_hook(layer_step):
 
   hook.defvjp(fwd, bwd)
   return hook
+
+
+def _recomputed_layer(layer_step):
+  """`run(i, fn, carrier, stream, scalars) -> (carrier, fn(layer i's
+  params, stream))`, remat 'full' for an in-backward layer: forward keeps
+  only the stream; backward reads layer i's params from the carrier's
+  cotangent as it arrives (layer i not stepped yet), recomputes fn there,
+  and steps layer i as `_layer_hook` does. A remat of the hook and layer
+  would recompute from the forward's carrier instead, which the in-place
+  steps of the layers after i overwrite: XLA would keep a copy of every
+  stack for it."""
+
+  def forward(i, fn, carrier, stream):
+    (params, _, _), _ = carrier
+    return carrier, fn(jax.tree.map(lambda a: a[i], params), stream)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+  def run(i, fn, carrier, stream, scalars):
+    del scalars
+    return forward(i, fn, carrier, stream)
+
+  def fwd(i, fn, carrier, stream, scalars):
+    return forward(i, fn, carrier, stream), (stream, scalars)
+
+  def bwd(i, fn, residuals, cotangents):
+    stream, scalars = residuals
+    (state, (sum_sq, loss_finite)), stream_cotangent = cotangents
+    state = jax.lax.optimization_barrier(state)
+    params = jax.tree.map(lambda a: a[i], state[0])
+    _, vjp = jax.vjp(fn, params, stream)
+    grads, stream_cotangent = vjp(stream_cotangent)
+    own = _sum_of_squares(grads)
+    apply_if = (loss_finite > 0) & jnp.isfinite(own)
+    state = layer_step(i, state, grads, scalars, apply_if=apply_if)
+    return ((state, (sum_sq + own, loss_finite)), stream_cotangent,
+            jax.tree.map(jnp.zeros_like, scalars))
+
+  run.defvjp(fwd, bwd)
+  return run
 
 
 @jax.custom_vjp

@@ -125,6 +125,21 @@ def compile_train_step(setup: Any, compiler_options: dict | None = None):
         compiler_options)
 
 
+def compile_eval_step(setup: Any):
+  """The eval step of `setup` compiled for abstract params and batches, as
+  `compile_train_step`: ahead of the state's allocation, XLA's autotuner
+  still has the device's memory (it allocates each fusion's operands, a
+  whole layer stack for a fused slice)."""
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  batch = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
+           for x in setup.task.batch_shapes(setup.config.train.batch_size)]
+  params = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      setup.abstract_state['params'], setup.state_shardings['params'])
+  with jax.set_mesh(setup.mesh):
+    return setup.eval_step.lower(params, *batch).compile()
+
+
 def state_bytes(setup: Any) -> tuple[int, int, int]:
   """(params, optimizer state, gradients): bytes per device of `setup`'s
   train state in device memory (train.offload's host-resident state is

@@ -42,7 +42,7 @@ class Task:
       remat policy, its vocabulary).
     make_model: (recipe, rngs) -> the model, unplaced.
     loss: (model, *batch, layers=None) -> float32 scalar loss; layers: the
-      decoder's per-layer params (`Decoder.hidden_states`).
+      decoder's per-layer params or a `LayerFeed` (`Decoder.hidden_states`).
     batch_shapes: batch_size -> the batch's ShapeDtypeStructs, unsharded.
     layers_path: the keys of the decoder's stacked layer params in the
       params dict.

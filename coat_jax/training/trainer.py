@@ -543,7 +543,7 @@ def _train(config: config_lib.Config, devices) -> dict:
   if lead and not t.save_checkpoints:
     print(_NO_CHECKPOINTS_WARNING, file=sys.stderr, flush=True)
   done = checkpoints_lib.latest_step_on_disk(t.run_dir)
-  mem, compile_s = None, None
+  mem, compile_s, eval_step = None, None, setup.eval_step
   if done is None or done < t.steps:  # a finished run compiles nothing
     # Compiled ahead of time (the jitted step reuses this compilation): the
     # memory it needs is known before any allocation, and a run that cannot
@@ -560,6 +560,7 @@ def _train(config: config_lib.Config, devices) -> dict:
             + ')', flush=True)
       print(mem.format(), flush=True)
     memory.check_fits(mem, config)
+    eval_step = memory.compile_eval_step(setup)
   os.makedirs(t.run_dir, exist_ok=True)
   if lead:
     with open(os.path.join(t.run_dir, 'config.json'), 'w') as f:
@@ -579,7 +580,7 @@ def _train(config: config_lib.Config, devices) -> dict:
                    for x in data.batch(split, index, bs))
 
     def evaluate():
-      losses = [setup.eval_step(state['params'], *batch('val', i))
+      losses = [eval_step(state['params'], *batch('val', i))
                 for i in range(t.eval_batches)]
       model = nnx.merge(setup.graphdef, state['params'])
       return {'val_loss': float(np.mean(jax.device_get(losses))),

@@ -70,12 +70,16 @@ def _assert_states_close(got, want):
     assert np.mean(~close) <= 1e-3, np.mean(~close)
 
 
-@pytest.mark.parametrize('recipe', ['coat', 'bf16'])
-def test_three_steps_equal_the_fused_step(tiny_config, recipe, seed):
+@pytest.mark.parametrize('recipe,remat', [('coat', 'auto'), ('bf16', 'auto'),
+                                          ('coat', 'full')])
+def test_three_steps_equal_the_fused_step(tiny_config, recipe, remat, seed):
   """With clip 'none' and a clip norm the fused step never reaches, both
-  steps are the same AdamW steps on the same gradients."""
+  steps are the same AdamW steps on the same gradients; under remat 'full'
+  too (against the fused step without remat: the same forward in
+  backward), where each layer recomputes itself in backward from the
+  params the carrier brings (`in_backward._recomputed_layer`)."""
   _, setup = _setup(tiny_config, recipe)
-  _, inb = _setup(tiny_config, recipe, clip='none')
+  _, inb = _setup(tiny_config, recipe, clip='none', remat=remat)
   want, got = setup.init_state(), inb.init_state()
   for i in range(3):
     x, y = _batch(seed + i)
@@ -94,13 +98,16 @@ def test_three_steps_equal_the_fused_step(tiny_config, recipe, seed):
   assert int(got['opt_state'][1][0].count) == 3
 
 
+@pytest.mark.parametrize('remat', ['auto', 'full'])
 def test_the_pallas_kernel_steps_each_layer_in_place(tiny_config, seed,
-                                                     pick_pallas):
+                                                     pick_pallas, remat):
   """The Pallas kernel (interpreted here) steps layer i of the stacks
-  (`layer=`) inside backward: the fused step's result again."""
+  (`layer=`) inside backward: the fused step's result again, also where
+  each layer recomputes itself from the stacks in backward (remat
+  'full')."""
   pick_pallas()
   _, setup = _setup(tiny_config)
-  _, inb = _setup(tiny_config, clip='none')
+  _, inb = _setup(tiny_config, clip='none', remat=remat)
   got, _ = inb.train_step(inb.init_state(), *_batch(seed))
   want, _ = setup.train_step(setup.init_state(), *_batch(seed))
   _assert_states_close(got, want)
@@ -210,11 +217,19 @@ def test_a_layer_with_a_non_finite_gradient_does_not_step(tiny_config,
   config, setup = _setup(tiny_config, clip='none')
 
   def poisoned_loss(model, tokens, targets, layers):
-    scale = layers[0]['mlp_norm']['scale']
-    # 0 in value; d/dscale[0] = 0 * sqrt'(0) = NaN.
-    nan_grad = 0.0 * jnp.sqrt(jnp.abs(
-        scale[0] - jax.lax.stop_gradient(scale[0])))
-    return lm_loss(model, tokens, targets, layers=layers) + nan_grad
+    read = layers.read
+
+    def poisoned_read(i, source):
+      source, params = read(i, source)
+      if i == 0:
+        scale = params['mlp_norm']['scale']
+        # + 0 in value; d/dscale[0] = 0 * sqrt'(0) = NaN.
+        params['mlp_norm']['scale'] = scale + 0.0 * jnp.sqrt(jnp.abs(
+            scale[0] - jax.lax.stop_gradient(scale[0])))
+      return source, params
+
+    layers.read = poisoned_read
+    return lm_loss(model, tokens, targets, layers=layers)
 
   state = setup.init_state()
   before = jax.tree.map(np.asarray, state)
