@@ -200,8 +200,8 @@ def make_train_step(
     recompute = _recomputed_layer(step_layer)
 
     def loss_of(rest, carrier):
-      # Each layer's hook runs inside its remat (`LayerFeed`): remat 'full'
-      # then keeps no float32 slice of the layer's params until backward.
+      # The layers read their params from the carrier through the hook, or
+      # under remat 'full' run in `_recomputed_layer` (`LayerFeed`).
       feed = LayerFeed(
           carrier, lambda i, c: hook(i, c, scalars),
           lambda i, c, fn, stream: recompute(i, fn, c, stream, scalars))

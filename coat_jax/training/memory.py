@@ -114,30 +114,35 @@ def compile_train_step(setup: Any, compiler_options: dict | None = None):
   """The train step of `setup` (a `trainer.Setup`) compiled for abstract
   state and batches: nothing is initialized or transferred.
   compiler_options: XLA's, as `jax.stages.Lowered.compile` takes them."""
-  batch_sharding = sharding.batch_sharding(setup.mesh)
-  batch = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
-           for x in setup.task.batch_shapes(setup.config.train.batch_size)]
-  state = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      setup.abstract_state, setup.state_shardings)
+  state = _placed(setup.abstract_state, setup.state_shardings)
   with jax.set_mesh(setup.mesh):
-    return setup.lower_train_step(state, *batch).compile(
+    return setup.lower_train_step(state, *_abstract_batch(setup)).compile(
         compiler_options)
 
 
 def compile_eval_step(setup: Any):
   """The eval step of `setup` compiled for abstract params and batches, as
-  `compile_train_step`: ahead of the state's allocation, XLA's autotuner
-  still has the device's memory (it allocates each fusion's operands, a
-  whole layer stack for a fused slice)."""
-  batch_sharding = sharding.batch_sharding(setup.mesh)
-  batch = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
-           for x in setup.task.batch_shapes(setup.config.train.batch_size)]
-  params = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      setup.abstract_state['params'], setup.state_shardings['params'])
+  `compile_train_step`. Compiled before the state is allocated, XLA's
+  autotuner still has the device's memory (it allocates each fusion's
+  operands: a whole layer stack for a fused slice)."""
+  params = _placed(setup.abstract_state['params'],
+                   setup.state_shardings['params'])
   with jax.set_mesh(setup.mesh):
-    return setup.eval_step.lower(params, *batch).compile()
+    return setup.eval_step.lower(params, *_abstract_batch(setup)).compile()
+
+
+def _placed(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs of `abstract`'s leaves with `shardings`."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      abstract, shardings)
+
+
+def _abstract_batch(setup: Any) -> list[jax.ShapeDtypeStruct]:
+  """A train batch of `setup`'s task as batch-sharded ShapeDtypeStructs."""
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
+          for x in setup.task.batch_shapes(setup.config.train.batch_size)]
 
 
 def state_bytes(setup: Any) -> tuple[int, int, int]:

@@ -560,6 +560,7 @@ def _train(config: config_lib.Config, devices) -> dict:
             + ')', flush=True)
       print(mem.format(), flush=True)
     memory.check_fits(mem, config)
+    # Before the state's allocation too, and evaluated with this executable.
     eval_step = memory.compile_eval_step(setup)
   os.makedirs(t.run_dir, exist_ok=True)
   if lead:
