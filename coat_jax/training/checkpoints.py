@@ -11,12 +11,16 @@ resumes from the newest step that restores.
 """
 
 from collections.abc import Callable
+import copy
 import dataclasses
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+# Orbax's transfer priorities: not exported; the one way to have it copy a
+# save off the device part by part (`_streaming_arrays`).
+from orbax.checkpoint._src.serialization import types as ocp_types
 
 from coat_jax.checkpoint import DamagedCheckpointError
 from coat_jax.checkpoint import check_matches
@@ -48,13 +52,15 @@ def _nbytes(template: Any) -> list[int]:
 
 def host_transfer_gb(template: Any) -> float:
   """The bytes (GB) a save may hold in host memory while writing, or a
-  restore while reading, `template`'s leaves: a quarter of the memory this
-  host has free, at most orbax's default, and never below the largest leaf
-  (orbax refuses a leaf larger than its budget)."""
+  restore while reading, `template`'s leaves: an eighth of the memory this
+  host has free (a save's buffers, its compression's and, on a RAM disk,
+  the checkpoint itself share the rest), at most orbax's default, and
+  never below the largest leaf (orbax refuses a leaf larger than its
+  budget)."""
   budget = _ORBAX_CONCURRENT_GB
   try:
     free = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-    budget = min(budget, free / 4 / 1e9)
+    budget = min(budget, free / 8 / 1e9)
   except (ValueError, OSError, AttributeError):
     pass
   return max([budget] + [n / 1e9 for n in _nbytes(template)])
@@ -70,22 +76,57 @@ def fits_pinned_host(template: Any) -> bool:
   return sum(_nbytes(template)) / 1e9 <= pinned / 2
 
 
+def streams_to_host(template: Any) -> bool:
+  """Whether a save of `template`'s state moves it off the device
+  `host_transfer_gb` at a time, each part written before the next is
+  copied, instead of all at once: a state larger than that budget (a 13B
+  state, 80 GB, beside a checkpoint on a RAM disk). Such a save blocks the
+  train loop until it is written, since the step donates the state."""
+  return sum(_nbytes(template)) / 1e9 > host_transfer_gb(template)
+
+
+class _Deprioritized(ocp_types.DefaultSerializationStatusCallback):
+  """Every array's device-to-host copy deprioritized: orbax then copies them
+  `save_device_host_concurrent_gb` at a time, each batch written before the
+  next (by default every copy is synchronous, the whole state at once)."""
+
+  def key_priority(self, keypath: Any) -> ocp_types.TransferPriority:
+    del keypath
+    return ocp_types.TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
+
+
+def _streaming_arrays() -> Any:
+  """A type handler registry whose jax.Array handler is orbax's own (its
+  settings kept) with every copy off the device deprioritized."""
+  arrays = copy.copy(ocp.type_handlers.get_type_handler(jax.Array))
+  arrays._callback = _Deprioritized()  # noqa: SLF001
+  return ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
+
+
 def _state_handler(template: Any) -> ocp.StandardCheckpointHandler:
   """The orbax handler of the state item: orbax's defaults without a
-  template; with one, `host_transfer_gb` bounds its writes and reads, and a
-  state too large for the pinned pool is copied to ordinary host memory."""
+  template; with one, `host_transfer_gb` bounds its writes and reads, a
+  state too large for the pinned pool is copied to ordinary host memory,
+  and one larger than the budget leaves the device a budget at a time
+  (`streams_to_host`)."""
   if template is None:
     return ocp.StandardCheckpointHandler()
   budget = host_transfer_gb(template)
   handler = ocp.StandardCheckpointHandler(save_concurrent_gb=budget,
                                           restore_concurrent_gb=budget)
-  if not fits_pinned_host(template):
-    # StandardCheckpointHandler does not pass this option on; its
-    # implementation is the PyTreeCheckpointHandler that takes it (the same
-    # format on disk).
+  streams = streams_to_host(template)
+  if streams or not fits_pinned_host(template):
+    # StandardCheckpointHandler does not pass these options on; its
+    # implementation is the PyTreeCheckpointHandler that takes them (the
+    # same format on disk).
+    streaming = dict(save_device_host_concurrent_gb=budget,
+                     type_handler_registry=_streaming_arrays()
+                     ) if streams else {}
     handler._impl = ocp.PyTreeCheckpointHandler(  # noqa: SLF001
         save_concurrent_gb=budget, restore_concurrent_gb=budget,
-        enable_pinned_host_transfer=False)
+        enable_pinned_host_transfer=(None if fits_pinned_host(template)
+                                     else False),
+        **streaming)
   return handler
 
 
@@ -130,9 +171,11 @@ class Checkpointer:
   """Saves and restores the train state under `<run_dir>/checkpoints`.
 
   template: the state's tree of arrays or shapes, when known: it bounds the
-  host memory a save or restore holds at once (`host_transfer_gb`) and
-  keeps a large state's save out of the pinned host pool
-  (`fits_pinned_host`); without it orbax's defaults apply.
+  host memory a save or restore holds at once (`host_transfer_gb`), keeps
+  a large state's save out of the pinned host pool (`fits_pinned_host`)
+  and streams one larger than the budget off the device, a save then
+  blocking until written (`blocking_saves`); without it orbax's defaults
+  apply.
   """
 
   def __init__(self, run_dir: str, config: Config, template: Any = None):
@@ -145,20 +188,23 @@ class Checkpointer:
         self.directory, options=options, item_handlers={
             'state': _state_handler(template),
             'config': ocp.JsonCheckpointHandler()})
+    # Whether every save waits until written (`streams_to_host`).
+    self.blocking_saves = (template is not None
+                           and streams_to_host(template))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, *, wait: bool = False) -> None:
-    """Saves `state` as `step` in the background (wait: until it is
-    committed); a step saved already (a stop right after a periodic save) is
-    not saved again."""
+    """Saves `state` as `step` in the background (wait, or
+    `blocking_saves`: until it is committed); a step saved already (a stop
+    right after a periodic save) is not saved again."""
     if step not in self.manager.all_steps():
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           config=ocp.args.JsonSave(_jsonable(_must_match(self.config)))),
           force=True)
-    if wait:
+    if wait or self.blocking_saves:
       self.manager.wait_until_finished()
 
   def restore_newest(self, template: Any, *,

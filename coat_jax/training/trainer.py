@@ -633,7 +633,11 @@ def _train(config: config_lib.Config, devices) -> dict:
           log.write(step, **evaluation)
           bar.write(f'step {step}: ' + _evaluation_text(evaluation))
         if _save_due(t, step):
-          _save(checkpointer, step, state)
+          seconds = _save(checkpointer, step, state)
+          if checkpointer.blocking_saves:
+            bar.write(f'step {step}: saved to {checkpointer.directory} in'
+                      f' {seconds:.0f} s (a state larger than the host'
+                      ' memory budget saves before the next step)')
       if stop.signal is not None:
         raise KeyboardInterrupt
       if step > start_step:
@@ -693,11 +697,13 @@ def _start_state(setup: Setup, checkpointer: Checkpointer,
     if lead:
       print(text, flush=True)
 
+  start = time.perf_counter()
   step, state = checkpointer.restore_newest(state_template(setup),
                                             report=say)
   if step is None:
     return None, setup.init_state()
-  say(f'resuming from step {step} ({checkpointer.directory}/{step})')
+  say(f'resuming from step {step} ({checkpointer.directory}/{step},'
+      f' restored in {time.perf_counter() - start:.1f} s)')
   return step, state
 
 
@@ -760,7 +766,10 @@ def _save_on_stop(checkpointer: Checkpointer, state: Any, signum: int,
 
 
 def _save(checkpointer: Checkpointer, step: int, state: Any, *,
-          wait: bool = False) -> None:
+          wait: bool = False) -> float:
+  """Saves `state` as `step`; returns the seconds the loop waited."""
   if not state_is_finite(state):  # Never persist a poisoned state.
     raise NonFiniteError(f'step {step}: params are not finite; not saving.')
+  start = time.perf_counter()
   checkpointer.save(step, state, wait=wait)
+  return time.perf_counter() - start

@@ -27,6 +27,17 @@ def test_budget_never_below_the_largest_leaf():
   assert checkpoints.host_transfer_gb(huge) >= 200
 
 
+def test_only_a_state_past_the_budget_streams(tmp_path, monkeypatch):
+  state = {'w': jax.ShapeDtypeStruct((1000, 1000), jnp.float32),
+           'v': jax.ShapeDtypeStruct((1000, 1000), jnp.float32)}  # 8 MB
+  assert not checkpoints.streams_to_host(state)
+  monkeypatch.setattr(checkpoints, '_ORBAX_CONCURRENT_GB', 0.006)
+  assert checkpoints.host_transfer_gb(state) == 0.006
+  assert checkpoints.streams_to_host(state)
+  saver = checkpoints.Checkpointer(str(tmp_path), training.Config())
+  assert not saver.blocking_saves  # no template: orbax's defaults
+
+
 def test_a_state_past_half_the_pinned_pool_does_not_fit_it(monkeypatch):
   state = {'w': jax.ShapeDtypeStruct((1000, 1000), jnp.float32)}  # 4 MB
   monkeypatch.setenv('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB', '0.01')
@@ -53,8 +64,18 @@ def test_save_returns_once_the_state_is_off_the_device(
   template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           state)
   config = training.Config()
+  asked = []
+  monkeypatch.setattr(checkpoints._Deprioritized, 'key_priority',
+                      lambda self, key: asked.append(key) or
+                      checkpoints.ocp_types.TransferPriority
+                      .ASYNCHRONOUS_DEPRIORITIZED)
   saver = checkpoints.Checkpointer(str(tmp_path), config, template=template)
+  # Larger than the budget: copied off the device a part at a time, so the
+  # save returns only once written.
+  assert saver.blocking_saves
   saver.save(1, state)
+  assert saver.latest_step() == 1
+  assert len(asked) == len(state)  # orbax took each array's priority
   for x in state.values():
     x.delete()  # what donation does to them
   saver.close()

@@ -218,7 +218,7 @@ def test_a_resumed_run_says_so_and_logs_each_step_once(corpus, runs,
   shutil.rmtree(run / 'checkpoints' / '4')
   summary = _train(_config(corpus, run, steps=6))
   assert summary['resumed_from'] == 2 and summary['step'] == 6
-  assert f'resuming from step 2 ({run}/checkpoints/2)' in (
+  assert f'resuming from step 2 ({run}/checkpoints/2, restored in' in (
       capsys.readouterr().out)
   assert _losses(run) == runs[1]
 
@@ -272,7 +272,7 @@ def test_a_damaged_checkpoint_is_reported_and_the_one_before_resumes(
   assert f'the checkpoint of step 4 is damaged: {path}: ' in out
   assert why in out
   assert f'moved the damaged step 4 to {run}/damaged_checkpoints/4.' in out
-  assert f'resuming from step 2 ({run}/checkpoints/2)' in out
+  assert f'resuming from step 2 ({run}/checkpoints/2, restored in' in out
   assert summary['resumed_from'] == 2 and summary['step'] == 6
   assert _losses(run) == runs[1]
   assert _steps_on_disk(run) == [4, 6]
