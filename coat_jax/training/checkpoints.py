@@ -76,13 +76,16 @@ def fits_pinned_host(template: Any) -> bool:
   return sum(_nbytes(template)) / 1e9 <= pinned / 2
 
 
-def streams_to_host(template: Any) -> bool:
+def streams_to_host(template: Any, budget_gb: float | None = None) -> bool:
   """Whether a save of `template`'s state moves it off the device
-  `host_transfer_gb` at a time, each part written before the next is
-  copied, instead of all at once: a state larger than that budget (a 13B
-  state, 80 GB, beside a checkpoint on a RAM disk). Such a save blocks the
-  train loop until it is written, since the step donates the state."""
-  return sum(_nbytes(template)) / 1e9 > host_transfer_gb(template)
+  `budget_gb` (default `host_transfer_gb`) at a time, each part written
+  before the next is copied, instead of all at once: a state larger than
+  the budget (a 13B state, 80 GB, beside a checkpoint on a RAM disk). Such
+  a save blocks the train loop until it is written, since the step
+  donates the state."""
+  if budget_gb is None:
+    budget_gb = host_transfer_gb(template)
+  return sum(_nbytes(template)) / 1e9 > budget_gb
 
 
 class _Deprioritized(ocp_types.DefaultSerializationStatusCallback):
@@ -103,30 +106,27 @@ def _streaming_arrays() -> Any:
   return ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
 
 
-def _state_handler(template: Any) -> ocp.StandardCheckpointHandler:
+def _state_handler(template: Any, budget_gb: float | None,
+                   streams: bool) -> ocp.StandardCheckpointHandler:
   """The orbax handler of the state item: orbax's defaults without a
-  template; with one, `host_transfer_gb` bounds its writes and reads, a
-  state too large for the pinned pool is copied to ordinary host memory,
-  and one larger than the budget leaves the device a budget at a time
-  (`streams_to_host`)."""
+  template; with one, `budget_gb` bounds its writes and reads, a state too
+  large for the pinned pool is copied to ordinary host memory, and with
+  `streams` (`streams_to_host`) it leaves the device a budget at a time."""
   if template is None:
     return ocp.StandardCheckpointHandler()
-  budget = host_transfer_gb(template)
-  handler = ocp.StandardCheckpointHandler(save_concurrent_gb=budget,
-                                          restore_concurrent_gb=budget)
-  streams = streams_to_host(template)
-  if streams or not fits_pinned_host(template):
+  handler = ocp.StandardCheckpointHandler(save_concurrent_gb=budget_gb,
+                                          restore_concurrent_gb=budget_gb)
+  pinned = fits_pinned_host(template)
+  if streams or not pinned:
     # StandardCheckpointHandler does not pass these options on; its
     # implementation is the PyTreeCheckpointHandler that takes them (the
     # same format on disk).
-    streaming = dict(save_device_host_concurrent_gb=budget,
+    streaming = dict(save_device_host_concurrent_gb=budget_gb,
                      type_handler_registry=_streaming_arrays()
                      ) if streams else {}
     handler._impl = ocp.PyTreeCheckpointHandler(  # noqa: SLF001
-        save_concurrent_gb=budget, restore_concurrent_gb=budget,
-        enable_pinned_host_transfer=(None if fits_pinned_host(template)
-                                     else False),
-        **streaming)
+        save_concurrent_gb=budget_gb, restore_concurrent_gb=budget_gb,
+        enable_pinned_host_transfer=None if pinned else False, **streaming)
   return handler
 
 
@@ -184,13 +184,16 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=config.train.keep_checkpoints, create=True,
         enable_async_checkpointing=True)
-    self.manager = ocp.CheckpointManager(
-        self.directory, options=options, item_handlers={
-            'state': _state_handler(template),
-            'config': ocp.JsonCheckpointHandler()})
+    # One budget for the handler and for whether saves wait: free memory
+    # changes between reads.
+    budget = None if template is None else host_transfer_gb(template)
     # Whether every save waits until written (`streams_to_host`).
     self.blocking_saves = (template is not None
-                           and streams_to_host(template))
+                           and streams_to_host(template, budget))
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options, item_handlers={
+            'state': _state_handler(template, budget, self.blocking_saves),
+            'config': ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
