@@ -50,39 +50,75 @@ def _nbytes(template: Any) -> list[int]:
   return [leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(template)]
 
 
+def _pinned_pool_gb() -> float:
+  return float(os.environ.get(_PINNED_HOST_LIMIT_VAR,
+                              _PINNED_HOST_DEFAULT_GB))
+
+
+def _free_host_gb() -> float | None:
+  try:
+    return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 1e9
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def _above_largest_leaf(gb: float, template: Any) -> float:
+  # Orbax refuses a leaf as large as its budget.
+  return max([gb] + [n * 1.01 / 1e9 for n in _nbytes(template)])
+
+
 def host_transfer_gb(template: Any) -> float:
   """The bytes (GB) a save may hold in host memory while writing, or a
   restore while reading, `template`'s leaves: an eighth of the memory this
   host has free (a save's buffers, its compression's and, on a RAM disk,
-  the checkpoint itself share the rest), at most orbax's default, and
-  never below the largest leaf (orbax refuses a leaf larger than its
-  budget)."""
-  budget = _ORBAX_CONCURRENT_GB
-  try:
-    free = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-    budget = min(budget, free / 8 / 1e9)
-  except (ValueError, OSError, AttributeError):
-    pass
-  return max([budget] + [n / 1e9 for n in _nbytes(template)])
+  the checkpoint itself share the rest), a quarter of XLA's pinned host
+  pool, at most orbax's default, and above the largest leaf. A state
+  larger than this streams (`streams_to_host`)."""
+  budget = min(_ORBAX_CONCURRENT_GB, _pinned_pool_gb() / 4)
+  free = _free_host_gb()
+  if free is not None:
+    budget = min(budget, free / 8)
+  return _above_largest_leaf(budget, template)
 
 
-def fits_pinned_host(template: Any) -> bool:
-  """Whether `template`'s state takes at most half of XLA's pinned host pool
-  (host offload shares the pool). Orbax copies a whole save off a GPU into
-  that pool before writing it; a 13B state (80 GB) overflows the default
-  64 GB and the save fails."""
-  pinned = float(os.environ.get(_PINNED_HOST_LIMIT_VAR,
-                                _PINNED_HOST_DEFAULT_GB))
-  return sum(_nbytes(template)) / 1e9 <= pinned / 2
+def stream_part_gb(template: Any, budget_gb: float | None = None) -> float:
+  """The bytes (GB) of each part a streaming save copies off the device
+  and writes before the next, and a streaming restore reads at once: a
+  thirty-second of XLA's pinned host pool and a sixty-fourth of the host's
+  free memory, at most `budget_gb` (default `host_transfer_gb`), above the
+  largest leaf.
+
+  Small parts because what a part takes in host memory outlives it: XLA's
+  pinned pool grows by regions of doubling size and keeps them for the
+  rest of the run, so two parts alive at once (one written while the next
+  is copied) grow it by up to four parts; the parts' copies in ordinary
+  memory and tensorstore's buffers take about two more. A 13B state (80
+  GB) saved to a RAM disk on a 128 GB host leaves no room for more.
+  """
+  if budget_gb is None:
+    budget_gb = host_transfer_gb(template)
+  part = min(budget_gb, _pinned_pool_gb() / 32)
+  free = _free_host_gb()
+  if free is not None:
+    part = min(part, free / 64)
+  return _above_largest_leaf(part, template)
+
+
+def fits_pinned_host(gb: float) -> bool:
+  """Whether `gb` (GB) copied off a GPU at once takes at most half of XLA's
+  pinned host pool (host offload shares the pool). Orbax copies a save
+  into that pool: a whole 13B state (80 GB) overflows the default 64 GB and
+  the save fails."""
+  return gb <= _pinned_pool_gb() / 2
 
 
 def streams_to_host(template: Any, budget_gb: float | None = None) -> bool:
-  """Whether a save of `template`'s state moves it off the device
-  `budget_gb` (default `host_transfer_gb`) at a time, each part written
-  before the next is copied, instead of all at once: a state larger than
-  the budget (a 13B state, 80 GB, beside a checkpoint on a RAM disk). Such
-  a save blocks the train loop until it is written, since the step
-  donates the state."""
+  """Whether a save of `template`'s state moves it off the device in parts
+  (`stream_part_gb`), each written before the next is copied, instead of
+  all at once: a state larger than `budget_gb` (default
+  `host_transfer_gb`), such as a 13B state (80 GB) beside a checkpoint on
+  a RAM disk. Such a save blocks the train loop until it is written, since
+  the step donates the state."""
   if budget_gb is None:
     budget_gb = host_transfer_gb(template)
   return sum(_nbytes(template)) / 1e9 > budget_gb
@@ -106,17 +142,32 @@ def _streaming_arrays() -> Any:
   return ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
 
 
-def _state_handler(template: Any, budget_gb: float | None,
-                   streams: bool) -> ocp.StandardCheckpointHandler:
+def _through_pinned_pool(template: Any, budget_gb: float,
+                         streams: bool) -> bool:
+  """Whether a save copies off a GPU through XLA's pinned host pool: while
+  it fits there (`fits_pinned_host`), the whole state at once or what a
+  streaming save grows the pool by (up to four parts of `budget_gb`).
+
+  A streaming save needs the pool: in ordinary memory jax keeps each
+  array's host copy on the array itself (the train state, alive until the
+  next step), so the parts pile up to the whole state; a copy in the pool
+  is a new array, freed once its part is written.
+  """
+  return fits_pinned_host(4 * budget_gb if streams
+                          else sum(_nbytes(template)) / 1e9)
+
+
+def _state_handler(template: Any, budget_gb: float | None, streams: bool,
+                   pinned: bool) -> ocp.StandardCheckpointHandler:
   """The orbax handler of the state item: orbax's defaults without a
-  template; with one, `budget_gb` bounds its writes and reads, a state too
-  large for the pinned pool is copied to ordinary host memory, and with
-  `streams` (`streams_to_host`) it leaves the device a budget at a time."""
+  template; with one, `budget_gb` bounds its writes and reads, with
+  `streams` (`streams_to_host`; `budget_gb` is then `stream_part_gb`) the
+  state leaves the device a part at a time, and without `pinned`
+  (`_through_pinned_pool`) through ordinary host memory."""
   if template is None:
     return ocp.StandardCheckpointHandler()
   handler = ocp.StandardCheckpointHandler(save_concurrent_gb=budget_gb,
                                           restore_concurrent_gb=budget_gb)
-  pinned = fits_pinned_host(template)
   if streams or not pinned:
     # StandardCheckpointHandler does not pass these options on; its
     # implementation is the PyTreeCheckpointHandler that takes them (the
@@ -173,9 +224,9 @@ class Checkpointer:
   template: the state's tree of arrays or shapes, when known: it bounds the
   host memory a save or restore holds at once (`host_transfer_gb`), keeps
   a large state's save out of the pinned host pool (`fits_pinned_host`)
-  and streams one larger than the budget off the device, a save then
-  blocking until written (`blocking_saves`); without it orbax's defaults
-  apply.
+  and streams one larger than the budget off the device in parts
+  (`stream_part_gb`), a save then blocking until written
+  (`blocking_saves`); without it orbax's defaults apply.
   """
 
   def __init__(self, run_dir: str, config: Config, template: Any = None):
@@ -190,9 +241,27 @@ class Checkpointer:
     # Whether every save waits until written (`streams_to_host`).
     self.blocking_saves = (template is not None
                            and streams_to_host(template, budget))
+    if self.blocking_saves:
+      budget = stream_part_gb(template, budget)
+    pinned = template is None or _through_pinned_pool(
+        template, budget, self.blocking_saves)
+    # What to tell a user whose every save holds the whole state in host
+    # memory, or None.
+    self.host_memory_warning = None
+    if self.blocking_saves and not pinned:
+      sizes = _nbytes(template)
+      self.host_memory_warning = (
+          f'warning: each save of this state holds all of it'
+          f' ({sum(sizes) / 1e9:.1f} GB) in host memory, since its largest'
+          f' leaf ({max(sizes) / 1e9:.1f} GB) is too large to stream through'
+          f" XLA's pinned host pool ({_pinned_pool_gb():g} GB;"
+          f' {_PINNED_HOST_LIMIT_VAR} sets it): keep that much host memory'
+          " free beside the checkpoint's destination, or set"
+          ' train.save_checkpoints=false.')
     self.manager = ocp.CheckpointManager(
         self.directory, options=options, item_handlers={
-            'state': _state_handler(template, budget, self.blocking_saves),
+            'state': _state_handler(template, budget, self.blocking_saves,
+                                    pinned),
             'config': ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:

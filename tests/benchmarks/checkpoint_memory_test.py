@@ -1,0 +1,22 @@
+"""benchmarks/checkpoint_memory.py end to end on the CPU, on its smallest
+state (the embedding alone)."""
+
+import sys
+
+from benchmarks import checkpoint_memory
+
+
+def test_saves_restores_and_reports(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(sys, 'argv', ['checkpoint_memory.py',
+                                    str(tmp_path / 'ck'), '--layers', '0'])
+  checkpoint_memory.main()
+  line = capsys.readouterr().out.strip().splitlines()[-1]
+  assert line.startswith('state 0.7 GB, streams '), line
+  assert 'resident memory +' in line and 'restore bit-exact' in line, line
+  assert (tmp_path / 'ck' / 'checkpoints' / '1').is_dir()
+
+
+def test_resident_memory_is_read_in_mb():
+  mb = checkpoint_memory._resident_mb()
+  assert set(mb) == {'VmRSS', 'RssShmem'}
+  assert mb['VmRSS'] > 10  # this process holds jax
