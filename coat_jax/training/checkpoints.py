@@ -67,6 +67,17 @@ def _above_largest_leaf(gb: float, template: Any) -> float:
   return max([gb] + [n * 1.01 / 1e9 for n in _nbytes(template)])
 
 
+def _host_share_gb(template: Any, cap_gb: float, pool_share: float,
+                   free_share: float) -> float:
+  """min(cap_gb, pool_share of XLA's pinned host pool, free_share of the
+  host's free memory), above `template`'s largest leaf."""
+  gb = min(cap_gb, _pinned_pool_gb() * pool_share)
+  free = _free_host_gb()
+  if free is not None:
+    gb = min(gb, free * free_share)
+  return _above_largest_leaf(gb, template)
+
+
 def host_transfer_gb(template: Any) -> float:
   """The bytes (GB) a save may hold in host memory while writing, or a
   restore while reading, `template`'s leaves: an eighth of the memory this
@@ -74,11 +85,7 @@ def host_transfer_gb(template: Any) -> float:
   the checkpoint itself share the rest), a quarter of XLA's pinned host
   pool, at most orbax's default, and above the largest leaf. A state
   larger than this streams (`streams_to_host`)."""
-  budget = min(_ORBAX_CONCURRENT_GB, _pinned_pool_gb() / 4)
-  free = _free_host_gb()
-  if free is not None:
-    budget = min(budget, free / 8)
-  return _above_largest_leaf(budget, template)
+  return _host_share_gb(template, _ORBAX_CONCURRENT_GB, 1 / 4, 1 / 8)
 
 
 def stream_part_gb(template: Any, budget_gb: float | None = None) -> float:
@@ -92,16 +99,12 @@ def stream_part_gb(template: Any, budget_gb: float | None = None) -> float:
   pinned pool grows by regions of doubling size and keeps them for the
   rest of the run, so two parts alive at once (one written while the next
   is copied) grow it by up to four parts; the parts' copies in ordinary
-  memory and tensorstore's buffers take about two more. A 13B state (80
-  GB) saved to a RAM disk on a 128 GB host leaves no room for more.
+  memory and tensorstore's buffers take about two more, beside what a
+  checkpoint on a RAM disk takes.
   """
   if budget_gb is None:
     budget_gb = host_transfer_gb(template)
-  part = min(budget_gb, _pinned_pool_gb() / 32)
-  free = _free_host_gb()
-  if free is not None:
-    part = min(part, free / 64)
-  return _above_largest_leaf(part, template)
+  return _host_share_gb(template, budget_gb, 1 / 32, 1 / 64)
 
 
 def fits_pinned_host(gb: float) -> bool:

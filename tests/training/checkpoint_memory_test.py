@@ -136,6 +136,18 @@ def test_save_returns_once_the_state_is_off_the_device(
     np.testing.assert_array_equal(np.asarray(got[k]), v)
 
 
+def _run_on_gpu(script: str, tmp_path, pinned_pool_gb: float):
+  """Runs `script` with tmp_path as its argument in a process of its own
+  (XLA's pinned pool is sized when the GPU client starts); its output."""
+  env = dict(os.environ,
+             XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=str(pinned_pool_gb),
+             XLA_PYTHON_CLIENT_MEM_FRACTION='0.3')
+  out = subprocess.run([sys.executable, '-c', script, str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
 _PINNED_POOL_SAVE = textwrap.dedent('''
     import sys
     import jax, jax.numpy as jnp, numpy as np
@@ -168,12 +180,7 @@ def test_gpu_state_larger_than_the_pinned_pool_saves(tmp_path):
   """A 1 GB pinned pool (XLA's default is 64 GB, below a 13B state) and a
   1.6 GB state: orbax alone fails to copy it off the GPU; the train
   checkpointer saves it through ordinary host memory."""
-  env = dict(os.environ, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='1',
-             XLA_PYTHON_CLIENT_MEM_FRACTION='0.3')
-  out = subprocess.run([sys.executable, '-c', _PINNED_POOL_SAVE,
-                        str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
+  out = _run_on_gpu(_PINNED_POOL_SAVE, tmp_path, pinned_pool_gb=1)
   assert 'orbax alone: failed' in out.stdout, out.stdout
   assert 'checkpointer: saved and restored bit-exact' in out.stdout, out.stdout
 
@@ -204,14 +211,10 @@ _STREAMING_SAVE = textwrap.dedent('''
 def test_gpu_streaming_save_holds_a_few_parts_in_host_memory(tmp_path):
   """An 8.6 GB state with a 4 GB pinned pool (a 1 GB budget, parts of one
   0.27 GB leaf) streams off the GPU: the process's host memory, the pinned
-  pool's pages included, grows by a few parts, not by the state (jax keeps a host copy on each array it copies to ordinary host
-  memory, so parts copied there would pile up)."""
-  env = dict(os.environ, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='4',
-             XLA_PYTHON_CLIENT_MEM_FRACTION='0.3')
-  out = subprocess.run([sys.executable, '-c', _STREAMING_SAVE,
-                        str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
+  pool's pages included, grows by a few parts, not by the state (jax
+  keeps a host copy on each array it copies to ordinary host memory, so
+  parts copied there would pile up)."""
+  out = _run_on_gpu(_STREAMING_SAVE, tmp_path, pinned_pool_gb=4)
   words = out.stdout.split()
   assert words[1] == 'True', out.stdout  # it streamed
   assert float(words[3]) < 3.0, out.stdout  # the state is 8.6 GB
