@@ -11,15 +11,20 @@ resumes from the newest step that restores.
 """
 
 from collections.abc import Callable
+from concurrent import futures
 import copy
+import ctypes
 import dataclasses
+import gc
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-# Orbax's transfer priorities: not exported; the one way to have it copy a
-# save off the device part by part (`_streaming_arrays`).
+# Orbax's transfer priorities and dispatchers: not exported; the one way to
+# have it copy a save off the device and write it part by part
+# (`_streaming_arrays`).
+from orbax.checkpoint._src.multihost import dispatchers
 from orbax.checkpoint._src.serialization import types as ocp_types
 
 from coat_jax.checkpoint import DamagedCheckpointError
@@ -44,6 +49,13 @@ _ORBAX_CONCURRENT_GB = 96
 # save at once: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 unless set.
 _PINNED_HOST_LIMIT_VAR = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
 _PINNED_HOST_DEFAULT_GB = 64
+# glibc, whose `malloc_trim` hands freed heap memory back to the system;
+# None elsewhere.
+try:
+  _LIBC = ctypes.CDLL('libc.so.6')
+  _LIBC.malloc_trim  # noqa: B018
+except (OSError, AttributeError):
+  _LIBC = None
 
 
 def _nbytes(template: Any) -> list[int]:
@@ -67,11 +79,10 @@ def _above_largest_leaf(gb: float, template: Any) -> float:
   return max([gb] + [n * 1.01 / 1e9 for n in _nbytes(template)])
 
 
-def _host_share_gb(template: Any, cap_gb: float, pool_share: float,
-                   free_share: float) -> float:
-  """min(cap_gb, pool_share of XLA's pinned host pool, free_share of the
-  host's free memory), above `template`'s largest leaf."""
-  gb = min(cap_gb, _pinned_pool_gb() * pool_share)
+def _host_share_gb(template: Any, cap_gb: float, free_share: float) -> float:
+  """min(cap_gb, free_share of the host's free memory), above `template`'s
+  largest leaf."""
+  gb = cap_gb
   free = _free_host_gb()
   if free is not None:
     gb = min(gb, free * free_share)
@@ -85,26 +96,20 @@ def host_transfer_gb(template: Any) -> float:
   the checkpoint itself share the rest), a quarter of XLA's pinned host
   pool, at most orbax's default, and above the largest leaf. A state
   larger than this streams (`streams_to_host`)."""
-  return _host_share_gb(template, _ORBAX_CONCURRENT_GB, 1 / 4, 1 / 8)
+  return _host_share_gb(
+      template, min(_ORBAX_CONCURRENT_GB, _pinned_pool_gb() / 4), 1 / 8)
 
 
 def stream_part_gb(template: Any, budget_gb: float | None = None) -> float:
   """The bytes (GB) of each part a streaming save copies off the device
   and writes before the next, and a streaming restore reads at once: a
-  thirty-second of XLA's pinned host pool and a sixty-fourth of the host's
-  free memory, at most `budget_gb` (default `host_transfer_gb`), above the
-  largest leaf.
-
-  Small parts because what a part takes in host memory outlives it: XLA's
-  pinned pool grows by regions of doubling size and keeps them for the
-  rest of the run, so two parts alive at once (one written while the next
-  is copied) grow it by up to four parts; the parts' copies in ordinary
-  memory and tensorstore's buffers take about two more, beside what a
-  checkpoint on a RAM disk takes.
-  """
+  sixty-fourth of the host's free memory, at most `budget_gb` (default
+  `host_transfer_gb`), above the largest leaf. A part's host copy, its
+  compression's buffers and tensorstore's take a few parts of memory,
+  beside what a checkpoint on a RAM disk takes."""
   if budget_gb is None:
     budget_gb = host_transfer_gb(template)
-  return _host_share_gb(template, budget_gb, 1 / 32, 1 / 64)
+  return _host_share_gb(template, budget_gb, 1 / 64)
 
 
 def fits_pinned_host(gb: float) -> bool:
@@ -137,40 +142,87 @@ class _Deprioritized(ocp_types.DefaultSerializationStatusCallback):
     return ocp_types.TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
 
 
+def _alias(x: jax.Array) -> jax.Array:
+  """A new jax.Array object, and new shard objects, over `x`'s device
+  buffers (no copy)."""
+  return jax.make_array_from_single_device_arrays(
+      x.shape, x.sharding, [s.data for s in x.addressable_shards])
+
+
+def _return_freed_host_memory() -> None:
+  """Frees a written part's host copies and hands the freed memory back to
+  the system. A jax array's host copy sits in a reference cycle, which only
+  Python's cyclic collector frees; a part's writes free their buffers in
+  the arenas of tensorstore's many threads, where glibc keeps them
+  (`malloc_trim` returns them; elsewhere nothing). Part after part, a
+  save's process would otherwise grow toward the whole state."""
+  gc.collect()
+  if _LIBC is not None:
+    _LIBC.malloc_trim(0)
+
+
+class _PartWriter(dispatchers.Dispatcher):
+  """Runs orbax's writer of each part of a streaming save in this process,
+  on new array objects over the part's device buffers (`_alias`).
+
+  jax keeps the host copy of an array on the object it copied (`np.asarray`
+  caches it), and orbax copies each shard object of the arrays it was
+  given: the train state's own, alive until the save ends, so the parts'
+  host copies would pile up to the whole state. The aliases die with their
+  part, and its host copy is collected before the next
+  (`_return_freed_host_memory`).
+  """
+
+  def __init__(self):
+    # Orbax calls `dispatch` from its event loop; its writer runs an event
+    # loop of its own, so it runs on this thread (it blocks that loop).
+    self._thread = futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix='coat_jax_checkpoint_part')
+
+  def name(self) -> str:
+    return 'coat_jax_part_writer'
+
+  def device_to_host(self, arrays: Any) -> Any:
+    # Each part is copied where it is written (`dispatch`).
+    return arrays
+
+  def dispatch(self, func: Callable[..., Any], *, input_arrays: Any = None,
+               result_specs: Any = None, func_args: tuple[Any, ...] = (),
+               func_kwargs: dict[str, Any] | None = None) -> Any:
+    def run():
+      args = func_args
+      if input_arrays is not None:
+        args = (jax.tree.map(_alias, input_arrays),) + args
+      return func(*args, **(func_kwargs or {}))
+    result = self._thread.submit(run).result()
+    _return_freed_host_memory()
+    return result if result_specs is not None else None
+
+
 def _streaming_arrays() -> Any:
   """A type handler registry whose jax.Array handler is orbax's own (its
-  settings kept) with every copy off the device deprioritized."""
+  settings kept) with every copy off the device deprioritized and each
+  part written by a `_PartWriter`."""
   arrays = copy.copy(ocp.type_handlers.get_type_handler(jax.Array))
   arrays._callback = _Deprioritized()  # noqa: SLF001
+  arrays._dispatcher = _PartWriter()  # noqa: SLF001
   return ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
 
 
-def _through_pinned_pool(template: Any, budget_gb: float,
-                         streams: bool) -> bool:
-  """Whether a save copies off a GPU through XLA's pinned host pool: while
-  it fits there (`fits_pinned_host`), the whole state at once or what a
-  streaming save grows the pool by (up to four parts of `budget_gb`).
-
-  A streaming save needs the pool: in ordinary memory jax keeps each
-  array's host copy on the array itself (the train state, alive until the
-  next step), so the parts pile up to the whole state; a copy in the pool
-  is a new array, freed once its part is written.
-  """
-  return fits_pinned_host(4 * budget_gb if streams
-                          else sum(_nbytes(template)) / 1e9)
-
-
-def _state_handler(template: Any, budget_gb: float | None, streams: bool,
-                   pinned: bool) -> ocp.StandardCheckpointHandler:
+def _state_handler(template: Any, budget_gb: float | None, streams: bool
+                   ) -> ocp.StandardCheckpointHandler:
   """The orbax handler of the state item: orbax's defaults without a
-  template; with one, `budget_gb` bounds its writes and reads, with
+  template; with one, `budget_gb` bounds its writes and reads and with
   `streams` (`streams_to_host`; `budget_gb` is then `stream_part_gb`) the
-  state leaves the device a part at a time, and without `pinned`
-  (`_through_pinned_pool`) through ordinary host memory."""
+  state leaves the device a part at a time through ordinary host memory
+  (`_PartWriter`). A save that is not streamed copies the whole state off
+  the device at once, into XLA's pinned host pool where it fits
+  (`fits_pinned_host`), else into ordinary host memory."""
   if template is None:
     return ocp.StandardCheckpointHandler()
   handler = ocp.StandardCheckpointHandler(save_concurrent_gb=budget_gb,
                                           restore_concurrent_gb=budget_gb)
+  pinned = fits_pinned_host(sum(_nbytes(template)) / 1e9)
   if streams or not pinned:
     # StandardCheckpointHandler does not pass these options on; its
     # implementation is the PyTreeCheckpointHandler that takes them (the
@@ -246,25 +298,9 @@ class Checkpointer:
                            and streams_to_host(template, budget))
     if self.blocking_saves:
       budget = stream_part_gb(template, budget)
-    pinned = template is None or _through_pinned_pool(
-        template, budget, self.blocking_saves)
-    # What to tell a user whose every save holds the whole state in host
-    # memory, or None.
-    self.host_memory_warning = None
-    if self.blocking_saves and not pinned:
-      sizes = _nbytes(template)
-      self.host_memory_warning = (
-          f'warning: each save of this state holds all of it'
-          f' ({sum(sizes) / 1e9:.1f} GB) in host memory, since its largest'
-          f' leaf ({max(sizes) / 1e9:.1f} GB) is too large to stream through'
-          f" XLA's pinned host pool ({_pinned_pool_gb():g} GB;"
-          f' {_PINNED_HOST_LIMIT_VAR} sets it): keep that much host memory'
-          " free beside the checkpoint's destination, or set"
-          ' train.save_checkpoints=false.')
     self.manager = ocp.CheckpointManager(
         self.directory, options=options, item_handlers={
-            'state': _state_handler(template, budget, self.blocking_saves,
-                                    pinned),
+            'state': _state_handler(template, budget, self.blocking_saves),
             'config': ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:

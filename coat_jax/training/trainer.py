@@ -569,8 +569,6 @@ def _train(config: config_lib.Config, devices) -> dict:
   learning_rate = _adamw_args(config)['learning_rate']
   checkpointer = Checkpointer(t.run_dir, config,
                               template=setup.abstract_state)
-  if lead and t.save_checkpoints and checkpointer.host_memory_warning:
-    print(checkpointer.host_memory_warning, flush=True)
   with jax.set_mesh(setup.mesh):
     resumed_from, state = _start_state(setup, checkpointer, lead)
     log.drop_after(int(state['step']))

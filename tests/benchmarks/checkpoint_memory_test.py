@@ -11,7 +11,7 @@ def test_saves_restores_and_reports(tmp_path, monkeypatch, capsys):
                                     str(tmp_path / 'ck'), '--layers', '0'])
   checkpoint_memory.main()
   line = capsys.readouterr().out.strip().splitlines()[-1]
-  assert line.startswith('state 0.7 GB, streams '), line
+  assert line.startswith('state 0.7 GB (largest leaf 0.7 GB), streams '), line
   assert 'resident memory +' in line and 'restore bit-exact' in line, line
   assert (tmp_path / 'ck' / 'checkpoints' / '1').is_dir()
 
