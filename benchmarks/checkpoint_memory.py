@@ -1,4 +1,4 @@
-"""Host memory a train checkpoint's save takes (RESULTS.md "one-gpu").
+"""Host memory of train checkpoint saves and restores (RESULTS.md "one-gpu").
 
   PYTHONPATH=. python benchmarks/checkpoint_memory.py DIR [--layers 40]
 
@@ -10,8 +10,9 @@ train checkpointer (`coat_jax.training.checkpoints`), samples this
 process's resident memory (XLA's pinned pool's pages included) every 0.1 s,
 then restores it and compares every leaf bit for bit. Prints the state's
 size and largest leaf, whether the save streamed, the part size, the
-seconds and GB/s of the save, and the growth of resident memory (all of
-it, and the shared pages that hold XLA's pinned host pool). Run one
+seconds and GB/s of the save and the growth of resident memory while it
+runs (all of it, and the shared pages that hold XLA's pinned host pool),
+then the restore's seconds and growth. Run one
 process per point: the pinned pool keeps what it grew to. DIR on a RAM
 disk keeps the disk out of the timing.
 """
@@ -52,6 +53,29 @@ def _resident_mb() -> dict[str, int]:
   return out
 
 
+def _measured(fn):
+  """(fn(), seconds, growth of this process's resident memory at its peak
+  while fn ran, in GB: {'VmRSS': all of it, 'RssShmem': shared pages})."""
+  peak, done = dict(_resident_mb()), threading.Event()
+  before = dict(peak)
+
+  def sample():
+    while not done.wait(0.1):
+      for k, v in _resident_mb().items():
+        peak[k] = max(peak[k], v)
+
+  sampler = threading.Thread(target=sample)
+  sampler.start()
+  start = time.perf_counter()
+  try:
+    out = fn()
+  finally:
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+  return out, seconds, {k: (peak[k] - before[k]) / 1e3 for k in peak}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('dir')
@@ -62,36 +86,23 @@ def main():
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   gb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e9
   largest = max(x.nbytes for x in jax.tree.leaves(state)) / 1e9
-
-  peak, done = dict(_resident_mb()), threading.Event()
-  before = dict(peak)
-
-  def sample():
-    while not done.wait(0.1):
-      for k, v in _resident_mb().items():
-        peak[k] = max(peak[k], v)
-
   part = checkpoints.stream_part_gb(template)
-  sampler = threading.Thread(target=sample)
-  sampler.start()
   saver = checkpoints.Checkpointer(args.dir, training.Config(),
                                    template=template)
-  start = time.perf_counter()
-  saver.save(1, state, wait=True)
-  seconds = time.perf_counter() - start
-  done.set()
-  sampler.join()
-  got = saver.restore(1, template)
+  _, save_s, save_mem = _measured(lambda: saver.save(1, state, wait=True))
+  got, restore_s, restore_mem = _measured(lambda: jax.block_until_ready(
+      saver.restore(1, template)))
   exact = all(
       np.array_equal(np.asarray(state[k]).view(np.uint8),
                      np.asarray(got[k]).view(np.uint8))
       for k in state)
   print(f'state {gb:.1f} GB (largest leaf {largest:.1f} GB), streams'
         f' {saver.blocking_saves}, part {part:.2f} GB: save'
-        f' {seconds:.1f} s ({gb / seconds:.2f} GB/s), resident memory'
-        f' +{(peak["VmRSS"] - before["VmRSS"]) / 1e3:.1f} GB (shared'
-        f' +{(peak["RssShmem"] - before["RssShmem"]) / 1e3:.1f} GB),'
-        f' restore {"bit-exact" if exact else "WRONG"}')
+        f' {save_s:.1f} s ({gb / save_s:.2f} GB/s), resident memory'
+        f' +{save_mem["VmRSS"]:.1f} GB (shared +{save_mem["RssShmem"]:.1f}'
+        f' GB); restore {restore_s:.1f} s, resident memory'
+        f' +{restore_mem["VmRSS"]:.1f} GB,'
+        f' {"bit-exact" if exact else "WRONG"}')
 
 
 if __name__ == '__main__':

@@ -12,8 +12,15 @@ def test_saves_restores_and_reports(tmp_path, monkeypatch, capsys):
   checkpoint_memory.main()
   line = capsys.readouterr().out.strip().splitlines()[-1]
   assert line.startswith('state 0.7 GB (largest leaf 0.7 GB), streams '), line
-  assert 'resident memory +' in line and 'restore bit-exact' in line, line
+  assert 'resident memory +' in line and line.endswith('bit-exact'), line
+  assert '; restore ' in line, line
   assert (tmp_path / 'ck' / 'checkpoints' / '1').is_dir()
+
+
+def test_measured_returns_the_result_its_time_and_growth():
+  out, seconds, growth = checkpoint_memory._measured(lambda: 'done')
+  assert out == 'done' and seconds >= 0
+  assert set(growth) == {'VmRSS', 'RssShmem'}
 
 
 def test_resident_memory_is_read_in_mb():
