@@ -82,9 +82,10 @@ def test_a_streaming_checkpointer_saves_and_reads_by_parts(tmp_path,
 def test_streaming_parts_are_written_from_aliases_of_the_state(
     tmp_path, monkeypatch):
   """A streaming save hands orbax's writer new array objects over the
-  state's own device buffers, sharded ones included, and restores what it
-  saved: jax keeps a host copy on the object it copied, so the state's
-  own arrays would hold every part's copy until the save ends."""
+  state's own device buffers, sharded ones included, collects their host
+  copies after each part, and restores what it saved: jax keeps a host
+  copy on the object it copied, so the state's own arrays would hold every
+  part's copy until the save ends."""
   monkeypatch.setattr(checkpoints, '_ORBAX_CONCURRENT_GB', 1e-3)  # 1 MB
   mesh = jax.make_mesh((8,), ('x',))
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x'))
@@ -101,11 +102,17 @@ def test_streaming_parts_are_written_from_aliases_of_the_state(
   made = []
   monkeypatch.setattr(checkpoints, '_alias', lambda x: (
       made.append((x, alias_of(x))) or made[-1][1]))
+  collected = []
+  monkeypatch.setattr(checkpoints, '_return_freed_host_memory',
+                      lambda: collected.append(True))
   saver = checkpoints.Checkpointer(str(tmp_path), training.Config(),
                                    template=template)
   assert saver.blocking_saves
   saver.save(3, state)
   assert {id(v) for v in state.values()} <= {id(x) for x, _ in made}
+  # The host copies are collected after each part: 'stacked' (1.2 MB) is
+  # one, the moment and the step another.
+  assert len(collected) >= 2
   for x, alias in made:
     assert alias is not x
     for mine, its in zip(x.addressable_shards, alias.addressable_shards):
