@@ -201,11 +201,14 @@ class _PartWriter(dispatchers.Dispatcher):
 
 def _streaming_arrays() -> Any:
   """A type handler registry whose jax.Array handler is orbax's own (its
-  settings kept) with every copy off the device deprioritized and each
-  part written by a `_PartWriter`."""
+  settings kept) with every copy off the device deprioritized and, in a
+  single-process run, each part written by a `_PartWriter` (orbax's
+  dispatchers read every device's worker from one process: several
+  processes write as orbax does)."""
   arrays = copy.copy(ocp.type_handlers.get_type_handler(jax.Array))
   arrays._callback = _Deprioritized()  # noqa: SLF001
-  arrays._dispatcher = _PartWriter()  # noqa: SLF001
+  if jax.process_count() == 1:
+    arrays._dispatcher = _PartWriter()  # noqa: SLF001
   return ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
 
 

@@ -127,6 +127,18 @@ def test_streaming_parts_are_written_from_aliases_of_the_state(
   saver.close()
 
 
+def test_parts_are_written_by_orbax_itself_under_several_processes(
+    monkeypatch):
+  handler = lambda registry: registry.get(jax.Array)
+  assert isinstance(
+      handler(checkpoints._streaming_arrays())._dispatcher,
+      checkpoints._PartWriter)
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  several = handler(checkpoints._streaming_arrays())
+  assert several._dispatcher is None
+  assert isinstance(several._callback, checkpoints._Deprioritized)
+
+
 def test_save_returns_once_the_state_is_off_the_device(tmp_path,
                                                         monkeypatch):
   """A save that returns has copied every array off the device (the train
