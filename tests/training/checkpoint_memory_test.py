@@ -260,3 +260,56 @@ def test_gpu_streaming_save_holds_a_few_parts_in_host_memory(tmp_path):
   assert float(words[3]) < 4.0, out.stdout  # the state is 8.6 GB
   assert words[-1] == '0', out.stdout
   assert 'restored bit-exact' in out.stdout, out.stdout
+
+
+_TWO_PROCESS_SAVE = textwrap.dedent('''
+    import os, sys
+    import jax, numpy as np
+    jax.distributed.initialize(
+        num_processes=int(os.environ['JAX_NUM_PROCESSES']),
+        process_id=int(os.environ['JAX_PROCESS_ID']))
+    from coat_jax import training
+    from coat_jax.training import checkpoints
+    checkpoints._ORBAX_CONCURRENT_GB = 1e-3  # 1 MB: the state streams
+    mesh = jax.make_mesh((8,), ('x',))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x'))
+    whole = {'stacked': np.arange(8 * 300 * 128, dtype=np.float32).reshape(
+                 8, 300, 128),
+             'bias': np.linspace(-1, 1, 8 * 4096, dtype=np.float32)}
+    state = {k: jax.make_array_from_callback(v.shape, rows,
+                                             lambda i, v=v: v[i])
+             for k, v in whole.items()}
+    template = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows),
+        state)
+    saver = checkpoints.Checkpointer(sys.argv[1], training.Config(),
+                                     template=template)
+    assert saver.blocking_saves
+    saver.save(1, state)
+    got = saver.restore(1, template)
+    for k, v in whole.items():
+      for shard in got[k].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), v[shard.index])
+    saver.close()
+    print('restored', jax.process_index())
+''')
+
+
+@pytest.mark.slow
+def test_two_processes_stream_a_save(tmp_path):
+  """A streaming save under jax.distributed (2 processes x 4 CPU devices):
+  orbax writes the parts itself and every shard restores."""
+  port = 21000 + os.getpid() % 10000
+  procs = [subprocess.Popen(
+      [sys.executable, '-c', _TWO_PROCESS_SAVE, str(tmp_path / 'run')],
+      env=dict(os.environ,
+               XLA_FLAGS='--xla_force_host_platform_device_count=4',
+               JAX_PLATFORMS='cpu',
+               JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
+               JAX_NUM_PROCESSES='2', JAX_PROCESS_ID=str(i)),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  for i, p in enumerate(procs):
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert f'restored {i}' in out, out
