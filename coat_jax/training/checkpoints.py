@@ -170,7 +170,8 @@ class _PartWriter(dispatchers.Dispatcher):
   given: the train state's own, alive until the save ends, so the parts'
   host copies would pile up to the whole state. The aliases die with their
   part, and its host copy is collected before the next
-  (`_return_freed_host_memory`).
+  (`_return_freed_host_memory`). A streaming restore's reads run here
+  too, all in one call.
   """
 
   def __init__(self):
