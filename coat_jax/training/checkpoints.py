@@ -74,11 +74,6 @@ def _free_host_gb() -> float | None:
     return None
 
 
-def _above_largest_leaf(gb: float, template: Any) -> float:
-  # Orbax refuses a leaf as large as its budget.
-  return max([gb] + [n * 1.01 / 1e9 for n in _nbytes(template)])
-
-
 def _host_share_gb(template: Any, cap_gb: float, free_share: float) -> float:
   """min(cap_gb, free_share of the host's free memory), above `template`'s
   largest leaf."""
@@ -86,7 +81,8 @@ def _host_share_gb(template: Any, cap_gb: float, free_share: float) -> float:
   free = _free_host_gb()
   if free is not None:
     gb = min(gb, free * free_share)
-  return _above_largest_leaf(gb, template)
+  # Orbax refuses a leaf as large as its budget.
+  return max([gb] + [n * 1.01 / 1e9 for n in _nbytes(template)])
 
 
 def host_transfer_gb(template: Any) -> float:
