@@ -210,7 +210,9 @@ class TrainConfig:
   compilation_cache_max_gib: float = 10.0
   # 'optimizer': the optimizer state lives in pinned host memory and comes
   # to the device only for the optimizer's step, after backward
-  # (docs/design.md#offload); 'none' keeps it on the device.
+  # (docs/design.md#offload), or with optim.apply_in_backward a layer's
+  # moments for that layer's step inside backward (docs/in_backward.md);
+  # 'none' keeps it on the device.
   offload: str = 'none'
 
 
@@ -473,12 +475,6 @@ def validate(config: Config, num_devices: int) -> None:
   _one_of('train.on_damaged_checkpoint', t.on_damaged_checkpoint,
           ('fallback', 'stop'))
   _one_of('train.offload', t.offload, OFFLOADS)
-  if t.offload != 'none' and o.apply_in_backward:
-    raise ValueError(
-        f'train.offload={t.offload!r} cannot run with'
-        ' optim.apply_in_backward=true: that step carries the layers\''
-        ' moments through backward, so they would be on the device all'
-        " along. Set train.offload='none' or optim.apply_in_backward=false.")
   for name, allowed in RANGES.items():
     section, field = name.split('.')
     value = getattr(getattr(config, section), field)

@@ -38,6 +38,9 @@ Invariants:
     metrics['finite'] False) though layers whose gradients were finite did
     step. A non-finite loss (the usual fault) therefore changes no param.
   * One device, unrolled layers, one microbatch (`check_supported`).
+  * With `offload` (train.offload='optimizer') the optimizer state stays in
+    pinned host memory: each layer's moments come to the device for its
+    step and go back, so at most a few layers' moments are on the device.
 """
 
 from collections.abc import Callable
@@ -135,6 +138,7 @@ def make_train_step(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     group_size: int = 128, expansion: bool = True, clip: str = 'previous',
     clip_norm: float = 1.0, implementation: str | None = None,
+    offload: bool = False,
 ) -> Callable[..., tuple[Any, dict]]:
   """`train_step(state, *batch) -> (state, metrics)`, each decoder layer
   stepping inside backward.
@@ -149,6 +153,10 @@ def make_train_step(
       whole params tree (the stacked layer params included).
     clip: one of `CLIPS` (module docstring).
     clip_norm: the clip norm of clip 'previous'.
+    offload: the optimizer state is in pinned host memory and stays there
+      (train.offload='optimizer'): layer i's moments come to the device in
+      backward, step and are written back into the host stacks; the rest of
+      the state comes over for the steps after backward and goes back.
 
   The state is the trainer's: {'params', 'opt_state', 'step', 'nonfinite'}
   with opt_state = (clip state, coat_adamw state), the state of
@@ -162,20 +170,34 @@ def make_train_step(
   without_layers = lambda tree: with_layers(tree, None)
 
   def layer_step(i, state, grads, scalars, decay, apply_if):
-    """Layer i of the stacked params and moments steps with its grads."""
+    """Layer i of the stacked params and moments steps with its grads
+    (with `offload`, the moment stacks in host memory: slice i comes to
+    the device, steps, and is written back)."""
     params, mu, nu = state
     count, lr, grad_scale = scalars
     treedef = jax.tree.structure(params)
+    if offload:
+      at_i = lambda tree: jax.tree.map(lambda a: a[i], tree)
+      state_i = (at_i(params), *jax.device_put((at_i(mu), at_i(nu)),
+                                               jax.memory.Space.Device))
+    else:
+      state_i = state
     out = [fused_step.coat_adam_step(
         p, g, m, v, count, learning_rate=lr, b1=b1, b2=b2, eps=eps,
         weight_decay=weight_decay if d else None, group_size=group_size,
         expansion=expansion, apply=apply_if, implementation=implementation,
-        grad_scale=grad_scale, layer=i)
-           for p, g, m, v, d in zip(
-               treedef.flatten_up_to(params), treedef.flatten_up_to(grads),
-               treedef.flatten_up_to(mu), treedef.flatten_up_to(nu),
-               treedef.flatten_up_to(decay), strict=True)]
-    return tuple(treedef.unflatten([o[k] for o in out]) for k in range(3))
+        grad_scale=grad_scale, layer=None if offload else i)
+           for p, m, v, g, d in zip(
+               *(treedef.flatten_up_to(x) for x in state_i),
+               treedef.flatten_up_to(grads), treedef.flatten_up_to(decay),
+               strict=True)]
+    new = tuple(treedef.unflatten([o[k] for o in out]) for k in range(3))
+    if not offload:
+      return new
+    new_params, *new_moments = new
+    put = lambda whole, x: jax.tree.map(lambda a, b: a.at[i].set(b), whole, x)
+    on_host = jax.device_put(tuple(new_moments), jax.memory.Space.Host)
+    return (put(params, new_params), put(mu, on_host[0]), put(nu, on_host[1]))
 
   def train_step(state, *batch):
     params = state['params']
@@ -184,6 +206,11 @@ def make_train_step(
       raise TypeError('state["opt_state"] must be (clip state, coat_adamw'
                       f' state), got {type(adam).__name__} in the AdamW'
                       ' slot.')
+    if offload:  # the scalars now, the moments later (`layer_step`, below)
+      clip_state, decay_state, lr_state, count = jax.device_put(
+          (clip_state, decay_state, lr_state, adam.count),
+          jax.memory.Space.Device)
+      adam = adam._replace(count=count)
     decay = _decay(mask, params)
     stacked = layers_of(params)
     quantized = lambda tree: _as_quantized(stacked, tree, group_size)
@@ -216,13 +243,16 @@ def make_train_step(
     norm = jnp.sqrt(layer_sq + _sum_of_squares(grads))
     finite = jnp.isfinite(value) & jnp.isfinite(norm)
 
+    rest_moments = (without_layers(adam.mu), without_layers(adam.nu))
+    if offload:  # after backward, as `trainer._train_step` brings them
+      grads, rest_moments = jax.lax.optimization_barrier(
+          (grads, jax.device_put(rest_moments, jax.memory.Space.Device)))
     apply_rest = fused.fused_coat_adamw(
         learning_rate, b1, b2, eps, weight_decay,
         mask=without_layers(decay), group_size=group_size,
         expansion=expansion, implementation=implementation)
     new_rest, (rest_adam, decay_state, lr_state) = apply_rest(
-        grads, (ScaleByCoatAdamState(adam.count, without_layers(adam.mu),
-                                     without_layers(adam.nu)),
+        grads, (ScaleByCoatAdamState(adam.count, *rest_moments),
                 decay_state, lr_state), without_layers(params), finite,
         grad_scale)
     in_container = lambda new, old: jax.tree.map(
@@ -234,9 +264,12 @@ def make_train_step(
     if clip == 'previous':
       clip_state = PreviousNormState(
           jnp.where(finite, norm, clip_state.norm).astype(jnp.float32))
+    opt_state = (clip_state, (adam, decay_state, lr_state))
+    if offload:  # the layers' moments are there already
+      opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
     new_state = {
         'params': with_layers(new_rest, new_stacked),
-        'opt_state': (clip_state, (adam, decay_state, lr_state)),
+        'opt_state': opt_state,
         'step': state['step'] + 1,
         'nonfinite': state['nonfinite'] + (~finite).astype(jnp.int32),
     }

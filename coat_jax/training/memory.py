@@ -189,7 +189,8 @@ def _in_backward_option(freed: int, up_to: bool = False) -> str:
 def _offload_option(optimizer_state: int) -> str:
   """Optimizer offload as a way to fit."""
   return ("train.offload='optimizer' (the optimizer state in pinned host"
-          ' memory, on the device only for its step: up to'
+          ' memory, on the device only for its step, or with the in-backward'
+          ' step a layer\'s for that layer\'s: up to'
           f' {_gib(optimizer_state)} less)')
 
 
@@ -210,7 +211,7 @@ def check_state_fits(setup: Any, limit: int | None = None) -> None:
                    ' optim.moment_dtypes: 2.125 bytes a param, not 8)')
   if not config.optim.apply_in_backward and setup.mesh.size == 1:
     options.append(_in_backward_option(_layer_bytes(setup)))
-  if opt and not config.optim.apply_in_backward:
+  if opt:  # on the device
     options.append(_offload_option(opt))
   options.append('mesh.fsdp=N over N devices (params, optimizer state and'
                  ' gradients shard N ways)')
@@ -233,10 +234,14 @@ def breakdown(setup: Any, compiled,
   stats = compiled.memory_analysis()
   temp = stats.temp_size_in_bytes
   # XLA allocates the temporaries as one block next to the (donated, so
-  # aliased) arguments and the outputs.
+  # aliased) arguments and the outputs. Those sizes are the device's; XLA's
+  # peak also counts buffers in pinned host memory (train.offload), so it
+  # bounds the device's only where there are none.
+  on_host = sum(getattr(stats, f'host_{kind}_size_in_bytes', 0)
+                for kind in ('argument', 'output', 'temp'))
   total = max(stats.argument_size_in_bytes + stats.output_size_in_bytes
               - stats.alias_size_in_bytes + temp,
-              getattr(stats, 'peak_memory_in_bytes', 0))
+              0 if on_host else getattr(stats, 'peak_memory_in_bytes', 0))
   return MemoryBreakdown(
       host=host_bytes(setup),
       params=params, optimizer_state=opt, gradients=min(grads, temp),
@@ -275,10 +280,10 @@ def check_fits(mem: MemoryBreakdown, config: config_lib.Config) -> None:
                    f' {keep_less}; \'full\' keeps least)')
   if not arch.scan_layers and not in_backward:
     options.append('model.scan_layers=true (with remat, less still)')
-  if not in_backward and config.train.offload == 'none':
+  if not in_backward:
     options.append(_in_backward_option(mem.gradients, up_to=True))
-    if mem.optimizer_state:
-      options.append(_offload_option(mem.optimizer_state))
+  if config.train.offload == 'none' and mem.optimizer_state:
+    options.append(_offload_option(mem.optimizer_state))
   options += ['more devices, or mesh.fsdp > 1 to shard params and optimizer'
               ' state', 'a larger XLA_PYTHON_CLIENT_MEM_FRACTION']
   raise ValueError(

@@ -325,7 +325,7 @@ def _step_function(config: config_lib.Config, task: tasks.Task, graphdef,
     return in_backward.make_train_step(
         task, graphdef, **_adamw_args(config), group_size=o.group_size,
         expansion=o.expansion, clip=o.in_backward_clip,
-        clip_norm=o.clip_norm)
+        clip_norm=o.clip_norm, offload=config.train.offload == 'optimizer')
   uses_fused = config_lib.uses_fused_optimizer(o)
   # The params' specs as placed (`sharding.named` fits each to its leaf's
   # shape), which the optimizer's per-shard kernels must match.

@@ -4,6 +4,7 @@ import dataclasses
 import math
 import os
 import sys
+import types
 
 import jax
 import pytest
@@ -84,18 +85,46 @@ def test_refusal_names_only_settings_not_set_already(tiny_config):
                  " 'full']", 'model.scan_layers=true',
                  'optim.apply_in_backward=true', "train.offload='optimizer'"
                  ' (the optimizer state in pinned host memory, on the device'
-                 ' only for its step: up to 0.50 GiB less)',
+                 " only for its step, or with the in-backward step a layer's"
+                 " for that layer's: up to 0.50 GiB less)",
                  'smaller train.batch_size', 'mesh.fsdp'):
     assert option in plain, option
   offloaded = tiny_config(model={'remat': 'full', 'scan_layers': True},
                           train={'offload': 'optimizer'})
   with pytest.raises(ValueError) as e:
     memory.check_fits(mem, offloaded)
-  for option in ('model.remat one of', 'scan_layers', 'apply_in_backward',
-                 'train.offload'):
+  for option in ('model.remat one of', 'scan_layers', 'train.offload'):
     assert option not in str(e.value), option
-  assert 'smaller train.batch_size' in str(e.value)
+  for option in ('smaller train.batch_size', 'apply_in_backward=true'):
+    assert option in str(e.value), option
+  both = tiny_config(optim={'apply_in_backward': True},
+                     train={'offload': 'optimizer'})
+  with pytest.raises(ValueError) as e:
+    memory.check_fits(mem, both)
+  for option in ('apply_in_backward', 'train.offload'):
+    assert option not in str(e.value), option
   memory.check_fits(dataclasses.replace(mem, limit=5 * gib), offloaded)
+
+
+def test_the_total_counts_device_buffers_only(tiny_config):
+  """XLA's peak also counts buffers in pinned host memory: with any there
+  (train.offload) the total is the device's arguments, outputs and
+  temporaries; without, the larger of that sum and the peak."""
+  setup = trainer.build(tiny_config(), ONE)
+  gib = memory.GIB
+
+  def total(**host):
+    stats = types.SimpleNamespace(
+        argument_size_in_bytes=10 * gib, output_size_in_bytes=10 * gib,
+        alias_size_in_bytes=9 * gib, temp_size_in_bytes=5 * gib,
+        peak_memory_in_bytes=30 * gib, host_temp_size_in_bytes=0, **host)
+    compiled = types.SimpleNamespace(memory_analysis=lambda: stats)
+    return memory.breakdown(setup, compiled, limit=100 * gib).total
+
+  assert total(host_argument_size_in_bytes=0,
+               host_output_size_in_bytes=0) == 30 * gib
+  assert total(host_argument_size_in_bytes=12 * gib,
+               host_output_size_in_bytes=12 * gib) == 16 * gib
 
 
 def test_a_state_that_cannot_fit_is_refused_before_compiling(
